@@ -1,0 +1,667 @@
+"""GuardTuneCallback: Lightning hooks only; decisions live in phases, compile and monitor."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from guardtrain import filters as _filters
+from guardtrain.compile import CompiledTarget, check_compile_kwargs, resolve_targets
+from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError, GuardTrainValueError
+from guardtrain.monitor import (
+    CompileMonitor,
+    batch_signature,
+    describe_signature,
+    fingerprint_change,
+    tensor_fingerprint,
+)
+from guardtrain.phases import PHASE_NUMBERS, PhaseMachine
+from guardtrain.presets import GuardPreset, get_preset
+
+__all__ = ["GuardTuneCallback"]
+
+DISABLE_ENV = "GUARDTRAIN_DISABLE"
+
+
+class GuardTuneCallback(Callback):
+    r"""Compile the model, warm up, lock guards, and fall back to full guards on any change.
+
+    The callback compiles its targets in place when the run starts (after the
+    strategy placed the model), counts Dynamo compilations while each loop warms
+    up, then runs that loop under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``
+    (presets ``balanced`` and ``aggressive``). Whenever the inputs or the model
+    differ from what was warmed, the loop goes back to full guards (a *re-arm*)
+    and the reason is recorded. At the end of the run everything it changed is
+    restored: the stance, Dynamo's config, and the modules' ``forward``.
+
+    What is checked when:
+
+    * **every batch** (about 1-2 µs): the batch signature (shapes, dtypes and
+      devices of the batch's tensors) against those seen with full guards, and
+      the ``training`` flag of each target. An unseen signature leaves the stance
+      *before* the step runs.
+    * **at loop and epoch boundaries** (in the first batch-start hook of the loop,
+      after every other callback's epoch-start hook): identity, ``requires_grad``,
+      dtype, device and shape of every parameter and buffer of each target, and
+      every constant, identity, type and hook guard Dynamo built on module
+      attributes (``dropout.p``, BatchNorm ``momentum``, a float read in
+      ``forward``). A change a dropped guard would have caught rebuilds the target
+      (the next call recompiles); one the kept guards catch leaves the stance.
+    * **in each compiled call under the stance**: a cache miss (H4) leaves the
+      stance and retries the call once with full guards; Dynamo raises before the
+      frame runs, and targets with graph breaks never use the stance, so no part
+      of a step runs twice.
+
+    Args:
+        preset: ``"off"``, ``"safe"``, ``"balanced"`` or ``"aggressive"`` (see
+            :data:`guardtrain.PRESETS`). Explicit arguments below override it.
+        warmup_steps: training batches with full guards before the stance (preset: 20).
+        stable_steps: the last ``stable_steps`` batches must not have compiled (preset: 10).
+        targets: ``None`` (the network the LightningModule delegates to, when it
+            has exactly one child with parameters; else the LightningModule), or
+            submodule names / glob patterns (``"blocks.*"``, outermost matches).
+            ``""`` names the LightningModule itself.
+        compile_kwargs: ``backend``, ``mode``, ``fullgraph``, ``dynamic``,
+            ``options`` for ``torch.compile``.
+        guard_filter: a filter name from :mod:`guardtrain.filters`, a callable
+            ``guard_filter_fn``, or a list of them; replaces the preset's filter.
+            It is combined with the soundness floor.
+        install_free_tensors: compile with ``install_free_tensors``.
+        recursive_dict_tags: set ``use_recursive_dict_tags_for_guards`` during the run.
+        use_stance: enter the unsafe stance once a loop is warm.
+        unsafe_drop_floor: do not combine the guard filter with the soundness
+            floor. Unsafe: ``eval()`` or a new dtype may then silently reuse code.
+        log_metrics: log ``guard/phase``, ``guard/compiles`` and ``guard/rearms``
+            through the Trainer's loggers when they change.
+
+    Raises:
+        GuardTrainValueError: an unknown preset or filter name, a negative step
+            count, conflicting filters, unknown ``compile_kwargs`` keys.
+        GuardTrainTypeError: an argument of the wrong type.
+
+    Example::
+
+        import lightning as L
+        from guardtrain import GuardTuneCallback
+
+        trainer = L.Trainer(max_epochs=3, callbacks=[GuardTuneCallback("aggressive")])
+        trainer.fit(model, datamodule=dm)  # model: a plain, uncompiled LightningModule
+    """
+
+    def __init__(
+        self,
+        preset: str = "balanced",
+        *,
+        warmup_steps: int | None = None,
+        stable_steps: int | None = None,
+        targets: str | Sequence[str] | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        guard_filter: _filters.FilterSpec = None,
+        install_free_tensors: bool | None = None,
+        recursive_dict_tags: bool | None = None,
+        use_stance: bool | None = None,
+        unsafe_drop_floor: bool = False,
+        log_metrics: bool = True,
+    ) -> None:
+        base = get_preset(preset)
+        overrides = {
+            k: v
+            for k, v in {
+                "warmup_steps": warmup_steps,
+                "stable_steps": stable_steps,
+                "install_free_tensors": install_free_tensors,
+                "recursive_dict_tags": recursive_dict_tags,
+                "use_stance": use_stance,
+            }.items()
+            if v is not None
+        }
+        if isinstance(guard_filter, str) or guard_filter is None:
+            if guard_filter is not None:
+                overrides["guard_filter"] = guard_filter
+        self.preset = preset
+        self.settings: GuardPreset = dataclasses.replace(base, **overrides)
+        for flag, value in (("unsafe_drop_floor", unsafe_drop_floor), ("log_metrics", log_metrics)):
+            if not isinstance(value, bool):
+                raise GuardTrainTypeError(f"`{flag}` must be a bool, got {value!r}.")
+        self.unsafe_drop_floor = unsafe_drop_floor
+        self.log_metrics = log_metrics
+
+        self.compile_kwargs = check_compile_kwargs(compile_kwargs)
+        in_options = (self.compile_kwargs.get("options") or {}).get("guard_filter_fn")
+        if in_options is not None and guard_filter is not None:
+            raise GuardTrainValueError(
+                "A guard filter was passed twice: as `guard_filter` and as "
+                "`compile_kwargs['options']['guard_filter_fn']`. Pass it once, as `guard_filter`."
+            )
+        spec: _filters.FilterSpec
+        if in_options is not None:
+            spec = in_options
+        elif guard_filter is not None:
+            spec = guard_filter
+        else:
+            spec = self.settings.guard_filter
+        self._filter_spec = spec
+        _filters.resolve(spec)  # unknown names fail here, in the constructor
+
+        if isinstance(targets, str):
+            targets = [targets]
+        if targets is not None:
+            if isinstance(targets, (bytes, dict)) or not isinstance(targets, Sequence):
+                raise GuardTrainTypeError(
+                    f"`targets` must be None, a name or a list of names, got {targets!r}."
+                )
+            targets = list(targets)
+            bad = [t for t in targets if not isinstance(t, str)]
+            if bad or not targets:
+                raise GuardTrainValueError(
+                    f"`targets` must hold submodule names or glob patterns, got {targets!r}."
+                )
+        self.targets = targets
+
+        self.disabled = os.environ.get(DISABLE_ENV, "").strip() not in ("", "0")
+        self._restored: dict[str, Any] = {}
+        self._reset_run_state()
+
+    # -- public ------------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> str:
+        """The training loop's phase: ``"warmup"``, ``"steady"``, or ``"off"`` (no stance)."""
+        if self.disabled or not self.settings.use_stance or self._stance_blocked:
+            return "off"
+        return self._machine.phase("train")
+
+    def summary(self) -> dict[str, Any]:
+        """Counters and history of the run so far, as a plain dict."""
+        r = self._restored
+        m = self._machine
+        return {
+            "preset": self.preset,
+            "phase": self.phase,
+            "phases": {loop: m.phase(loop) for loop in m.loops},
+            "compiles": self._monitor.compiles + r.get("compiles", 0),
+            "rearms": list(r.get("rearms", [])) + list(m.rearms),
+            "warmup_steps_taken": m.warmup_steps_taken + r.get("warmup_steps_taken", 0),
+            "steady_steps": m.steady_steps + r.get("steady_steps", 0),
+            "targets": list(self._target_names),
+            "compile_events": list(self._monitor.events),
+            "levers": self._levers(),
+            "switched_off": list(self._switched_off),
+            "stance_blocked": self._stance_blocked,
+            "disabled": self.disabled,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.summary()
+        return {
+            "preset": self.preset,
+            "compiles": s["compiles"],
+            "rearms": s["rearms"],
+            "warmup_steps_taken": s["warmup_steps_taken"],
+            "steady_steps": s["steady_steps"],
+            "train_batches": self._train_batches(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = {
+            "compiles": int(state_dict.get("compiles", 0)),
+            "rearms": list(state_dict.get("rearms", [])),
+            "warmup_steps_taken": int(state_dict.get("warmup_steps_taken", 0)),
+            "steady_steps": int(state_dict.get("steady_steps", 0)),
+            "train_batches": int(state_dict.get("train_batches", 0)),
+        }
+
+    # -- run state ---------------------------------------------------------------------------
+
+    def _reset_run_state(self) -> None:
+        s = self.settings
+        self._machine = PhaseMachine(s.warmup_steps, s.stable_steps, s.use_stance)
+        self._monitor = CompileMonitor()
+        self._targets: list[CompiledTarget] = []
+        self._target_names: list[str] = []
+        self._references: dict[int, Any] = {}
+        self._pending: set[str] = set()
+        self._loop: str | None = None
+        self._stance_on = False
+        self._saved_stance: Any = None
+        self._saved_config: dict[str, Any] = {}
+        self._switched_off: list[dict[str, str]] = []
+        self._stance_blocked: str | None = None
+        self._compiles_at_batch = 0
+        self._logged: tuple[int, int, int] | None = None
+        self._trainer: Trainer | None = None
+        self._active = False
+        self._summary_logged = False
+        self._unsafe = False
+        self._ift = s.install_free_tensors
+        self._dict_tags = s.recursive_dict_tags
+        self._use_stance = s.use_stance
+
+    def _levers(self) -> dict[str, Any]:
+        spec = self._filter_spec
+        name = spec if isinstance(spec, str) or spec is None else getattr(spec, "__name__", "custom")
+        return {
+            "recursive_dict_tags": self._dict_tags,
+            "install_free_tensors": self._ift,
+            "guard_filter": name,
+            "soundness_floor": not self.unsafe_drop_floor,
+            "use_stance": self._use_stance,
+        }
+
+    def _switch_off(self, lever: str, why: str) -> None:
+        self._switched_off.append({"lever": lever, "why": why})
+        rank_zero_warn(f"guardtrain: {lever} is switched off: {why}")
+
+    def _train_batches(self) -> int:
+        return self._machine.loops["train"].batches + self._restored.get("train_batches", 0)
+
+    # -- setup and teardown ------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._reset_run_state()
+        if self.disabled:
+            rank_zero_info(
+                f"guardtrain: {DISABLE_ENV} is set; GuardTuneCallback does nothing "
+                "(the model is not compiled)."
+            )
+            return
+        if getattr(pl_module, "_compiler_ctx", None) is not None:
+            raise GuardTrainValueError(
+                "The model passed to the Trainer was compiled with torch.compile already. "
+                "Pass the plain LightningModule: GuardTuneCallback compiles it."
+            )
+        self._machine.collective = trainer.world_size > 1
+        dynamo_cfg = torch._dynamo.config
+        if self._dict_tags and not hasattr(dynamo_cfg, "use_recursive_dict_tags_for_guards"):
+            self._dict_tags = False
+            self._switch_off("recursive_dict_tags", f"needs torch>=2.9 (installed {torch.__version__})")
+        if self._ift and not hasattr(dynamo_cfg, "install_free_tensors"):
+            self._ift = False
+            self._switch_off("install_free_tensors", f"needs torch>=2.8 (installed {torch.__version__})")
+        if self._use_stance and "skip_guard_eval_unsafe" not in getattr(
+            torch.compiler.set_stance, "__code__", torch.compiler.set_stance
+        ).co_varnames:
+            self._use_stance = False
+            self._switch_off("use_stance", f"needs torch>=2.6 (installed {torch.__version__})")
+        self._machine.use_stance = self._use_stance
+        resolved = _filters.resolve(self._filter_spec)
+        if resolved is None and self._filter_spec not in (None, "keep_all"):
+            self._switched_off.append(
+                {"lever": "guard_filter", "why": f"{self._filter_spec!r} is not in this torch"}
+            )
+        if resolved is not None and not self.unsafe_drop_floor:
+            resolved = _filters.with_floor(resolved)
+        self._resolved_filter = resolved
+        self._unsafe = (
+            self._ift or self._use_stance or (resolved is not None and resolved is not _filters.keep_all)
+        )
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._activate(trainer, pl_module)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._restore()
+        if not self._summary_logged and not self.disabled:
+            self._summary_logged = True
+            rank_zero_info(self.format_summary())
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._restore()
+
+    def _activate(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._active or self.disabled:
+            return
+        self._trainer = trainer
+        stance = torch._dynamo.eval_frame._stance
+        if stance.skip_guard_eval_unsafe:
+            raise GuardTrainRuntimeError(
+                "The unsafe stance (skip_guard_eval_unsafe=True) is already set when the run "
+                "starts; GuardTuneCallback needs full guards while it warms up. Call "
+                "torch.compiler.set_stance('default') before fit, or drop the callback."
+            )
+        self._saved_stance = stance
+        cfg = torch._dynamo.config
+        if self._dict_tags:
+            self._saved_config["use_recursive_dict_tags_for_guards"] = (
+                cfg.use_recursive_dict_tags_for_guards
+            )
+            cfg.use_recursive_dict_tags_for_guards = True
+        self._active = True
+        try:
+            for name, module in resolve_targets(pl_module, self.targets):
+                target = CompiledTarget(
+                    name,
+                    module,
+                    self.compile_kwargs,
+                    self._resolved_filter,
+                    self._ift,
+                    on_compile=self._on_compile,
+                    on_miss=self._on_miss,
+                )
+                self._targets.append(target)
+                self._target_names.append(name or "<LightningModule>")
+        except BaseException:
+            self._restore()
+            raise
+
+    def _restore(self) -> None:
+        if not self._active:
+            return
+        self._active = False
+        self._set_stance(False)
+        for target in self._targets:
+            target.uninstall()
+        self._targets = []
+        self._references.clear()
+        cfg = torch._dynamo.config
+        for key, value in self._saved_config.items():
+            setattr(cfg, key, value)
+        self._saved_config = {}
+
+    # -- the stance and re-arms --------------------------------------------------------------
+
+    def _set_stance(self, on: bool) -> None:
+        if on == self._stance_on:
+            return
+        prev = self._saved_stance
+        torch.compiler.set_stance(
+            prev.stance,
+            skip_guard_eval_unsafe=on or prev.skip_guard_eval_unsafe,
+            force_backend=prev.backend,
+        )
+        for target in self._targets:
+            target.fast = on
+        self._stance_on = on
+
+    def _rearm(self, loop: str | None, reason: str) -> None:
+        self._set_stance(False)
+        self._machine.rearm(loop, step=self._train_batches(), reason=reason)
+
+    def _on_compile(self, target: CompiledTarget, reason: str | None) -> None:
+        self._monitor.record(self._train_batches(), target.name, reason)
+
+    def _on_miss(self, target: CompiledTarget, err: BaseException) -> bool:
+        if target.graph_breaks:  # never in the stance; kept for safety
+            return False
+        label = target.name or "<LightningModule>"
+        self._rearm(self._loop, f"stance miss in {label!r}: no compiled entry accepted the call")
+        return True
+
+    def _blocker(self) -> str | None:
+        """Why the stance must not be entered now, or None."""
+        limit = getattr(torch._dynamo.config, "recompile_limit", 8)
+        for target in self._targets:
+            label = target.name or "<LightningModule>"
+            if target.graph_breaks:
+                return (
+                    f"target {label!r} has graph breaks; under the stance a miss in a resumed "
+                    "frame would come after part of the forward ran"
+                )
+            if target.cache_entries() >= limit:
+                return (
+                    f"target {label!r} reached recompile_limit={limit}; Dynamo runs it eagerly and "
+                    "the stance would raise"
+                )
+        return None
+
+    # -- loops ---------------------------------------------------------------------------------
+
+    def _loop_start(self, loop: str) -> None:
+        if not self._active:
+            return
+        self._set_stance(False)
+        self._loop = loop
+        self._pending.add(loop)
+        self._machine.pass_started(loop)
+
+    def _batch_start(self, loop: str, batch: Any, module: LightningModule) -> None:
+        if not self._active:
+            return
+        m = self._machine
+        self._loop = loop
+        if loop in self._pending:
+            self._pending.discard(loop)
+            if self._unsafe:
+                self._boundary_check(loop)
+        if m.use_stance:
+            signature = batch_signature(batch)
+            if m.new_signature(loop, signature) and m.steady(loop):
+                self._rearm(loop, f"unseen batch signature {describe_signature(signature)}")
+            elif m.steady(loop) and module.training != (loop == "train"):
+                self._rearm(loop, f"module.training is {module.training} in the {loop} loop")
+            want = m.steady(loop) and not (loop != "train" and self._trainer_sanity())
+            if want != self._stance_on:
+                self._set_stance(want)
+        self._compiles_at_batch = self._monitor.compiles
+
+    def _batch_end(self, loop: str) -> None:
+        if not self._active:
+            return
+        compiled = self._monitor.compiles != self._compiles_at_batch
+        m = self._machine
+        m.batch_done(loop, compiled)
+        if compiled:
+            self._take_references()
+        if loop == "train" and m.use_stance and m.is_decision_point(loop):
+            self._decide(loop)
+        if loop == "train":
+            self._log_changes()
+
+    def _loop_end(self, loop: str, complete: bool) -> None:
+        if not self._active:
+            return
+        self._set_stance(False)
+        m = self._machine
+        m.pass_done(loop, complete)
+        if loop != "train" and m.use_stance:
+            self._decide(loop)
+        self._pending.add("train")
+        self._loop = None
+
+    def _decide(self, loop: str) -> None:
+        """Enter the stance for ``loop`` if this process (or, with several, every one) is ready.
+
+        The only place entry is decided. With several processes it runs at the
+        same batches on every rank and costs one collective.
+        """
+        m = self._machine
+        ready = m.ready(loop)
+        if not ready and not m.collective:
+            return
+        blocker = self._blocker() if ready else None
+        vote = (ready and blocker is None) or m.steady(loop)
+        if m.collective and self._trainer is not None:
+            vote = bool(self._trainer.strategy.reduce_boolean_decision(vote, all=True))
+        if ready and blocker is None and vote:
+            m.enter(loop)
+        elif blocker is not None and self._stance_blocked is None:
+            self._stance_blocked = blocker
+            rank_zero_warn(f"guardtrain: the stance stays off: {blocker}.")
+
+    def _trainer_sanity(self) -> bool:
+        return bool(self._trainer is not None and self._trainer.sanity_checking)
+
+    # -- state checks --------------------------------------------------------------------------
+
+    def _take_references(self) -> None:
+        for target in self._targets:
+            if id(target) not in self._references:
+                self._references[id(target)] = tensor_fingerprint(target.module)
+
+    def _boundary_check(self, loop: str) -> None:
+        for target in self._targets:
+            label = target.name or "<LightningModule>"
+            reference = self._references.get(id(target))
+            change = None
+            if reference is not None:
+                change = fingerprint_change(reference, tensor_fingerprint(target.module))
+            stale, unmatched = target.check_assertions()
+            if change is None and stale is not None:
+                change = f"{stale} (a guard that was dropped or skipped)"
+            if change is not None:
+                self._references.pop(id(target), None)
+                target.rebuild()
+                self._rearm(None, f"{label}: {change}; recompiling")
+            elif unmatched is not None and self._machine.steady(loop):
+                self._rearm(loop, f"{label}: {unmatched}")
+
+    # -- logging -------------------------------------------------------------------------------
+
+    def _log_changes(self) -> None:
+        trainer = self._trainer
+        if not self.log_metrics or trainer is None or not trainer.loggers:
+            return
+        current = (
+            PHASE_NUMBERS[self.phase],
+            self._monitor.compiles,
+            len(self._machine.rearms),
+        )
+        if current == self._logged:
+            return
+        self._logged = current
+        if not trainer.is_global_zero:
+            return
+        metrics = {
+            "guard/phase": float(current[0]),
+            "guard/compiles": float(current[1]),
+            "guard/rearms": float(current[2]),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def format_summary(self) -> str:
+        """The end-of-run table logged at INFO on rank zero."""
+        s = self.summary()
+        lines = [
+            "guardtrain summary",
+            f"  preset           {s['preset']}",
+            f"  targets          {', '.join(s['targets']) or '-'}",
+            f"  phase            {s['phase']}  (loops: "
+            + ", ".join(f"{k}={v}" for k, v in s["phases"].items())
+            + ")",
+            f"  warm-up steps    {s['warmup_steps_taken']}",
+            f"  steady steps     {s['steady_steps']}",
+            f"  compiles         {s['compiles']}",
+            f"  re-arms          {len(s['rearms'])}",
+        ]
+        for r in s["rearms"][:10]:
+            lines.append(f"    step {r['step']}: {r['reason']}")
+        if len(s["rearms"]) > 10:
+            lines.append(f"    ... {len(s['rearms']) - 10} more")
+        for off in s["switched_off"]:
+            lines.append(f"  switched off     {off['lever']}: {off['why']}")
+        if s["stance_blocked"]:
+            lines.append(f"  stance blocked   {s['stance_blocked']}")
+        return "\n".join(lines)
+
+    # -- Lightning hooks -------------------------------------------------------------------------
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._loop_start("train")
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_start("train", batch, pl_module)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_end("train")
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._loop_end("train", complete=True)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._activate(trainer, pl_module)
+        self._loop_start("validate")
+
+    def on_validation_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_start("validate", batch, pl_module)
+
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_end("validate")
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._loop_end("validate", complete=not trainer.sanity_checking)
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._activate(trainer, pl_module)
+        self._loop_start("test")
+
+    def on_test_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_start("test", batch, pl_module)
+
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_end("test")
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._loop_end("test", complete=True)
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._activate(trainer, pl_module)
+        self._loop_start("predict")
+
+    def on_predict_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_start("predict", batch, pl_module)
+
+    def on_predict_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_end("predict")
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._loop_end("predict", complete=True)
+

@@ -1,0 +1,496 @@
+"""Compiling targets in place, and undoing it.
+
+Each target module gets a *private* copy of its ``forward`` code object
+(``code.replace()``), bound to that one instance, compiled with
+``torch.compile`` and installed as the instance attribute ``forward``:
+
+* ``module(x)`` and ``module.forward(x)`` both run the compiled code (H13);
+* ``state_dict`` keys do not change (no ``_orig_mod.`` prefix, H8);
+* Dynamo keeps one cache per code object, so every instance has a cache of
+  its own: ``install_free_tensors`` cannot hand one instance's weights to
+  another instance of the same class (H12), also across two ``fit`` calls;
+* forgetting the private code (:meth:`CompiledTarget.rebuild`) invalidates
+  every entry compiled for the target, resume functions of graph breaks
+  included, without touching other compiled code in the process.
+
+``install_free_tensors`` is read by Dynamo while it traces. It is set only
+around calls that may trace (outside the stance), so other compiled code in the
+process never sees it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError, GuardTrainValueError
+from guardtrain.filters import GuardFilter, keep_all
+
+__all__ = [
+    "COMPILE_KWARGS",
+    "Assertion",
+    "CompiledTarget",
+    "build_compile_kwargs",
+    "check_compile_kwargs",
+    "is_stance_miss",
+    "resolve_targets",
+]
+
+#: Keys ``compile_kwargs`` accepts; each is passed to ``torch.compile``.
+COMPILE_KWARGS = ("backend", "mode", "fullgraph", "dynamic", "options")
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_MISSING = object()
+STANCE_MISS_TEXT = "Recompilation triggered with skip_guard_eval_unsafe stance"
+
+
+def is_stance_miss(err: BaseException) -> bool:
+    """Whether ``err`` is Dynamo's error for a cache miss under the unsafe stance (H4)."""
+    return isinstance(err, RuntimeError) and STANCE_MISS_TEXT in str(err)
+
+
+def check_compile_kwargs(compile_kwargs: Any) -> dict[str, Any]:
+    """Validate ``compile_kwargs`` and return a copy. Raises with the bad key named."""
+    if compile_kwargs is None:
+        return {}
+    if not isinstance(compile_kwargs, dict) and not hasattr(compile_kwargs, "items"):
+        raise GuardTrainTypeError(
+            f"`compile_kwargs` must be a dict, got {compile_kwargs!r} "
+            f"({type(compile_kwargs).__name__})."
+        )
+    kwargs = dict(compile_kwargs.items())
+    unknown = sorted(set(kwargs) - set(COMPILE_KWARGS))
+    if unknown:
+        raise GuardTrainValueError(
+            f"`compile_kwargs` has unknown key(s) {unknown}; allowed: {list(COMPILE_KWARGS)}."
+        )
+    backend = kwargs.get("backend", "inductor")
+    if not (isinstance(backend, str) or callable(backend)):
+        raise GuardTrainTypeError(
+            f"`compile_kwargs['backend']` must be a backend name or a callable, got {backend!r}."
+        )
+    mode = kwargs.get("mode")
+    if mode is not None:
+        if mode not in _MODES:
+            raise GuardTrainValueError(
+                f"`compile_kwargs['mode']` must be one of {list(_MODES)}, got {mode!r}."
+            )
+        if backend != "inductor":
+            raise GuardTrainValueError(
+                f"`compile_kwargs['mode']={mode!r}` works only with backend='inductor' "
+                f"(got backend={backend!r}): guardtrain combines a mode with its guard "
+                "filter by expanding the mode into inductor options."
+            )
+    for key in ("fullgraph",):
+        if key in kwargs and not isinstance(kwargs[key], bool):
+            raise GuardTrainTypeError(
+                f"`compile_kwargs['{key}']` must be a bool, got {kwargs[key]!r}."
+            )
+    if kwargs.get("dynamic") is not None and not isinstance(kwargs["dynamic"], bool):
+        raise GuardTrainTypeError(
+            f"`compile_kwargs['dynamic']` must be a bool or None, got {kwargs['dynamic']!r}."
+        )
+    options = kwargs.get("options")
+    if options is not None:
+        if not hasattr(options, "items"):
+            raise GuardTrainTypeError(
+                f"`compile_kwargs['options']` must be a dict, got {options!r}."
+            )
+        kwargs["options"] = dict(options.items())
+        if backend != "inductor" and set(kwargs["options"]) - {"guard_filter_fn"}:
+            raise GuardTrainValueError(
+                f"`compile_kwargs['options']` keys {sorted(kwargs['options'])} are inductor "
+                f"options, but backend={backend!r}."
+            )
+    return kwargs
+
+
+def build_compile_kwargs(kwargs: dict[str, Any], guard_filter: GuardFilter) -> dict[str, Any]:
+    """Arguments for one ``torch.compile`` call: a fresh ``options`` dict every time (H10).
+
+    A ``mode`` is expanded into inductor options so it can travel beside the
+    guard filter (``torch.compile`` refuses ``mode`` together with ``options``).
+    """
+    backend = kwargs.get("backend", "inductor")
+    options: dict[str, Any] = {}
+    mode = kwargs.get("mode")
+    if mode is not None and mode != "default":
+        import torch._inductor
+
+        options.update(torch._inductor.list_mode_options(mode, kwargs.get("dynamic")))
+    options.update(kwargs.get("options") or {})
+    options.pop("guard_filter_fn", None)
+    options["guard_filter_fn"] = guard_filter
+    return {
+        "backend": backend,
+        "fullgraph": kwargs.get("fullgraph", False),
+        "dynamic": kwargs.get("dynamic"),
+        "options": options,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Assertion:
+    """What one guard on a module attribute asserted when it was built."""
+
+    name: str
+    """The guard's source expression, e.g. ``self._modules['drop'].p``."""
+    kind: str
+    """``"value"`` (equal), ``"identity"``, ``"type"`` or ``"empty"`` (no hooks)."""
+    value: Any
+    kept: bool
+    """Whether the guard filter kept the guard (a dropped one needs a recompile)."""
+    expr: types.CodeType = field(compare=False)
+
+    def holds(self, scope: dict[str, Any]) -> bool:
+        """Evaluate the expression now and compare with what was asserted."""
+        try:
+            current = eval(self.expr, {}, scope)  # noqa: S307 - Dynamo's own guard source
+        except Exception:
+            return False
+        if self.kind == "value":
+            return type(current) is type(self.value) and bool(current == self.value)
+        if self.kind == "identity":
+            return current is self.value
+        if self.kind == "type":
+            return type(current) is self.value
+        return len(current) == 0
+
+    def describe(self, scope: dict[str, Any]) -> str:
+        try:
+            current = eval(self.expr, {}, scope)  # noqa: S307
+        except Exception as err:
+            current = f"<{type(err).__name__}>"
+        if self.kind == "value":
+            return f"{self.name}: {self.value!r} -> {current!r}"
+        if self.kind == "empty":
+            return f"{self.name}: hooks added ({len(current)})"  # type: ignore[arg-type]
+        return f"{self.name}: {self.kind} changed"
+
+
+_RECORDED = {
+    "CONSTANT_MATCH": "value",
+    "EQUALS_MATCH": "value",
+    "ID_MATCH": "identity",
+    "TYPE_MATCH": "type",
+    "EMPTY_NN_MODULE_HOOKS_DICT": "empty",
+}
+
+
+def _compiling_frame() -> tuple[types.CodeType | None, str | None]:
+    """The code object Dynamo is compiling and its recompile reason.
+
+    Read from Dynamo's ``_compile`` frame on the stack (the guard filter is
+    called from inside it); ``(None, None)`` if this torch lays it out otherwise.
+    """
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "_compile":
+            loc = frame.f_locals
+            code = loc.get("code")
+            if isinstance(code, types.CodeType):
+                reason = loc.get("recompile_reason")
+                return code, reason if isinstance(reason, str) else None
+        frame = frame.f_back
+    return None, None
+
+
+_CLOSURE_NAME = "bound"
+_TRAMPOLINE_NAME = "guardtrain_forward"
+
+
+def _make_template() -> types.CodeType:
+    bound: Callable[..., Any] = print
+
+    def guardtrain_forward(*args: Any, **kwargs: Any) -> Any:
+        return bound(*args, **kwargs)
+
+    return guardtrain_forward.__code__
+
+
+_TEMPLATE = _make_template()
+
+
+def _trampoline_code() -> types.CodeType:
+    """A new code object that calls the closure variable ``bound``.
+
+    Dynamo compiles this frame and inlines the module's ``forward``. Its file
+    is guardtrain's, so Dynamo does not wrap it in its shared ``inner`` frame
+    (which it does for functions in torch's own files, e.g. ``nn.Sequential``),
+    and each copy has a cache of its own.
+    """
+    return _TEMPLATE.replace()
+
+
+CompileHook = Callable[["CompiledTarget", str | None], None]
+MissHook = Callable[["CompiledTarget", BaseException], bool]
+
+
+class CompiledTarget:
+    """One module whose ``forward`` runs through a private compiled code object.
+
+    Args:
+        name: the module's dotted name in the LightningModule (``""`` for itself).
+        module: the module to compile in place.
+        compile_kwargs: validated ``compile_kwargs`` (see :func:`check_compile_kwargs`).
+        guard_filter: the filter to install (floor already added), or ``None``.
+        install_free_tensors: compile this target with ``install_free_tensors``.
+        on_compile: called after each frame compilation of this target.
+        on_miss: called on a stance miss; returns True when the call may be retried.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        compile_kwargs: dict[str, Any],
+        guard_filter: GuardFilter | None,
+        install_free_tensors: bool,
+        on_compile: CompileHook,
+        on_miss: MissHook,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.install_free_tensors = install_free_tensors
+        self.fast = False
+        """True while the unsafe stance is on: calls skip the config patch."""
+        self.compiles = 0
+        self.graph_breaks = False
+        self.assertions: list[tuple[Assertion, ...]] = []
+        self._kwargs = compile_kwargs
+        self._filter = guard_filter or keep_all
+        self._on_compile = on_compile
+        self._on_miss = on_miss
+        self._previous = module.__dict__.get("forward", _MISSING)
+        func = _forward_function(name, module)
+        self._func = func
+        self._bound = types.MethodType(func, module)
+        self._shared_codes: set[types.CodeType] = set()
+        self.code: types.CodeType
+        self.compiled: Callable[..., Any]
+        self.rebuild()
+        module.__dict__["forward"] = self._make_wrapper()
+
+    # -- compiling ---------------------------------------------------------------------------
+
+    def rebuild(self) -> None:
+        """Compile a fresh private code object: every entry of the old one is forgotten.
+
+        Code objects other than the private one that were compiled for this
+        target (the module's own ``forward`` after a graph break) are shared
+        with other instances of the class; their entries are dropped too.
+        """
+        reset_code = getattr(torch._dynamo, "reset_code", None)
+        for code in self._shared_codes:
+            if reset_code is not None:
+                reset_code(code)
+        self._shared_codes = set()
+        self.code = _trampoline_code()
+        self.assertions = []
+        self.graph_breaks = False
+        fn = types.FunctionType(
+            self.code, globals(), _TRAMPOLINE_NAME, None, (types.CellType(self._bound),)
+        )
+        self.compiled = torch.compile(fn, **build_compile_kwargs(self._kwargs, self._track))
+
+    def _track(self, entries: Sequence[Any]) -> list[bool]:
+        keep = [bool(k) for k in self._filter(entries)]
+        code, reason = _compiling_frame()
+        if code is not None and code is not self.code:
+            self.graph_breaks = True
+            if not code.co_name.startswith("torch_dynamo_resume_in_"):
+                self._shared_codes.add(code)
+        self.compiles += 1
+        prefix = _CLOSURE_NAME
+        recorded = []
+        for entry, kept in zip(entries, keep):
+            kind = _RECORDED.get(entry.guard_type)
+            name = entry.name
+            if kind is None or not entry.has_value or not name.startswith(prefix):
+                continue
+            if len(name) > len(prefix) and name[len(prefix)] not in ".[":
+                continue
+            value = type(entry.value) if kind == "type" else entry.value
+            if kind == "value" and not isinstance(
+                value, (bool, int, float, str, type(None), torch.dtype, torch.device)
+            ):
+                continue
+            try:
+                expr = compile(name, "<guard>", "eval")
+            except SyntaxError:
+                continue
+            recorded.append(Assertion(name, kind, value, kept, expr))
+        self.assertions.append(tuple(recorded))
+        self._on_compile(self, reason)
+        return keep
+
+    def cache_entries(self) -> int:
+        """Cache entries Dynamo holds for the root code (-1 when this torch cannot tell)."""
+        getter = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+        if getter is None:
+            return -1
+        return len(getter(self.code))
+
+    # -- state checks ------------------------------------------------------------------------
+
+    def scope(self) -> dict[str, Any]:
+        return {_CLOSURE_NAME: self._bound}
+
+    def check_assertions(self) -> tuple[str | None, str | None]:
+        """Re-check what this target's guards asserted.
+
+        Returns ``(stale, unmatched)``: ``stale`` names a *dropped* (or stance-
+        skipped) assertion that changed under an entry whose kept guards still
+        pass, so Dynamo would silently reuse it: the target must be rebuilt.
+        ``unmatched`` is set when no entry's kept guards pass: Dynamo will
+        recompile by itself, with full guards.
+        """
+        if not self.assertions:
+            return None, None
+        scope = self.scope()
+        any_kept = False
+        for entry in self.assertions:
+            if not all(a.holds(scope) for a in entry if a.kept):
+                continue
+            any_kept = True
+            for a in entry:
+                if not a.kept and not a.holds(scope):
+                    return a.describe(scope), None
+        if any_kept:
+            return None, None
+        for entry in reversed(self.assertions):
+            for a in entry:
+                if not a.holds(scope):
+                    return None, a.describe(scope)
+        return None, "no compiled entry matches the module's state"
+
+    # -- installing --------------------------------------------------------------------------
+
+    def _make_wrapper(self) -> Callable[..., Any]:
+        target = self
+        cfg = torch._dynamo.config
+
+        @functools.wraps(self._func)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if target.fast:
+                try:
+                    return target.compiled(*args, **kwargs)
+                except RuntimeError as err:
+                    if not (is_stance_miss(err) and target._on_miss(target, err)):
+                        raise
+            ift = target.install_free_tensors
+            previous = cfg.install_free_tensors
+            if previous is ift:
+                return target.compiled(*args, **kwargs)
+            cfg.install_free_tensors = ift
+            try:
+                return target.compiled(*args, **kwargs)
+            finally:
+                cfg.install_free_tensors = previous
+
+        forward.__wrapped__ = self._bound  # type: ignore[attr-defined]
+        forward._guardtrain_target = self  # type: ignore[attr-defined]
+        return forward
+
+    def uninstall(self) -> None:
+        """Restore the module's ``forward`` as it was; drop the compiled code."""
+        if self._previous is _MISSING:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.__dict__["forward"] = self._previous
+        self.fast = False
+        self.compiled = None  # type: ignore[assignment]
+
+
+def _forward_function(name: str, module: nn.Module) -> types.FunctionType:
+    """The plain function behind ``module.forward``, with clear errors."""
+    label = repr(name) if name else "the LightningModule"
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        raise GuardTrainValueError(
+            f"Target {label} is already compiled (torch.compile returned an OptimizedModule). "
+            "Pass the plain module: GuardTuneCallback compiles it."
+        )
+    attr = module.__dict__.get("forward", _MISSING)
+    if attr is not _MISSING:
+        if getattr(attr, "_guardtrain_target", None) is not None:
+            raise GuardTrainRuntimeError(
+                f"Target {label} is compiled by another GuardTuneCallback already."
+            )
+        if hasattr(attr, "_torchdynamo_orig_callable") or hasattr(attr, "_compiled_call_impl"):
+            raise GuardTrainValueError(
+                f"Target {label} has a compiled `forward` already. Remove your torch.compile "
+                "call: GuardTuneCallback compiles it."
+            )
+        func = getattr(attr, "__func__", None)
+        if getattr(attr, "__self__", None) is module and isinstance(func, types.FunctionType):
+            return func
+        raise GuardTrainTypeError(
+            f"Target {label} has an instance attribute `forward` of type "
+            f"{type(attr).__name__}; guardtrain compiles plain methods only."
+        )
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        raise GuardTrainValueError(
+            f"Target {label} was compiled with nn.Module.compile() already. Remove that call: "
+            "GuardTuneCallback compiles it."
+        )
+    func = type(module).forward
+    if not isinstance(func, types.FunctionType) or func is nn.Module.forward:
+        raise GuardTrainValueError(
+            f"Target {label} ({type(module).__name__}) defines no `forward` to compile."
+        )
+    return func
+
+
+def resolve_targets(root: nn.Module, targets: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+    """Resolve target names and glob patterns to ``(name, module)`` pairs.
+
+    ``None`` picks the default: the one direct child that owns parameters when
+    there is exactly one (the network the LightningModule delegates to; its
+    ``__dict__`` is not written by Lightning on every hook, so recursive dict
+    tags keep working, H15), else the LightningModule itself. A pattern
+    (``"blocks.*"``) keeps its outermost matches only. ``""`` names the root.
+    """
+    if targets is None:
+        children = [
+            (n, m) for n, m in root.named_children() if next(m.parameters(), None) is not None
+        ]
+        if len(children) == 1 and type(children[0][1]).forward is not nn.Module.forward:
+            return [children[0]]
+        return [("", root)]
+    modules = dict(root.named_modules())
+    chosen: dict[str, nn.Module] = {}
+    for pattern in targets:
+        if any(ch in pattern for ch in "*?["):
+            names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
+        else:
+            names = [pattern] if pattern in modules else []
+        if not names:
+            sample = [n for n in modules if n and n.count(".") < 2][:12]
+            raise GuardTrainValueError(
+                f"`targets` entry {pattern!r} matches no submodule of "
+                f"{type(root).__name__}; some names: {sample}."
+            )
+        for n in names:
+            chosen.setdefault(n, modules[n])
+    # Outermost matches only: drop a name whose ancestor is also chosen.
+    outer = {
+        n: m
+        for n, m in chosen.items()
+        if not any(n != o and (o == "" or n.startswith(o + ".")) for o in chosen)
+    }
+    seen: dict[int, str] = {}
+    for n, m in outer.items():
+        if id(m) in seen:
+            raise GuardTrainValueError(
+                f"`targets` names the same module twice: {seen[id(m)]!r} and {n!r}."
+            )
+        seen[id(m)] = n
+    return list(outer.items())

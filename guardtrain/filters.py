@@ -1,0 +1,200 @@
+"""Guard filters by name, their composition, and the soundness floor.
+
+A guard filter is what ``torch.compile(options={"guard_filter_fn": f})``
+takes: a function of a list of ``torch._dynamo.types.GuardFilterEntry`` that
+returns one ``bool`` per entry (``True`` keeps the guard).
+
+Named filters (:data:`NAMED_FILTERS`) wrap PyTorch's own
+``torch.compiler.*_unsafe`` functions. Every filter guardtrain installs is
+combined with :func:`soundness_floor` (:func:`with_floor`), which keeps the
+guards whose loss cannot be repaired by a re-check between batches:
+
+* global state: grad mode, autocast and other global flags, torch-function
+  state, default device, deterministic algorithms, saved-tensor hooks;
+* the shape environment (symbolic shapes);
+* every guard on the inputs of the compiled frame (tensor metadata of the
+  arguments, the structure of containers passed in);
+* ``.training`` flags of modules, so ``eval()`` recompiles.
+
+Example:
+    >>> from guardtrain import filters
+    >>> f = filters.resolve("skip_all_nn_modules")
+    >>> callable(f)
+    True
+    >>> sorted(filters.NAMED_FILTERS)[:2]
+    ['keep_all', 'keep_portable']
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, Union
+
+from guardtrain.errors import GuardTrainTypeError, GuardTrainValueError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch._dynamo.types import GuardFilterEntry
+
+GuardFilter = Callable[[Sequence["GuardFilterEntry"]], Sequence[bool]]
+FilterSpec = Union[str, GuardFilter, Sequence[Union[str, GuardFilter]], None]
+
+__all__ = [
+    "GuardFilter",
+    "NAMED_FILTERS",
+    "FLOOR_GUARD_TYPES",
+    "keep_all",
+    "soundness_floor",
+    "all_of",
+    "any_of",
+    "with_floor",
+    "resolve",
+    "available",
+]
+
+#: Guard types of global state. Their entries have no name and no value.
+FLOOR_GUARD_TYPES = frozenset(
+    {
+        "GRAD_MODE",
+        "GLOBAL_STATE",
+        "TORCH_FUNCTION_STATE",
+        "TORCH_FUNCTION_MODE_STACK",
+        "DEFAULT_DEVICE",
+        "SHAPE_ENV",
+        "DETERMINISTIC_ALGORITHMS",
+        "AUTOGRAD_SAVED_TENSORS_HOOKS",
+    }
+)
+
+#: name -> (attribute of ``torch.compiler``, torch version that added it).
+NAMED_FILTERS: dict[str, tuple[str | None, str]] = {
+    "keep_all": (None, "2.8"),
+    "skip_inbuilt_nn_modules": ("skip_guard_on_inbuilt_nn_modules_unsafe", "2.8"),
+    "skip_all_nn_modules": ("skip_guard_on_all_nn_modules_unsafe", "2.8"),
+    "skip_globals": ("skip_guard_on_globals_unsafe", "2.8"),
+    "keep_tensors": ("keep_tensor_guards_unsafe", "2.8"),
+    "keep_portable": ("keep_portable_guards_unsafe", "2.11"),
+    "skip_all": ("skip_all_guards_unsafe", "2.10"),
+}
+
+
+def keep_all(entries: Sequence[GuardFilterEntry]) -> list[bool]:
+    """Keep every guard (Dynamo's default)."""
+    return [True] * len(entries)
+
+
+def _is_nn_module_source(entry: GuardFilterEntry) -> bool:
+    source = getattr(entry.orig_guard, "source", None)
+    check = getattr(source, "is_unspecialized_nn_module", None)
+    return bool(check()) if check is not None else False
+
+
+def _floor_keeps(entry: GuardFilterEntry) -> bool:
+    if entry.guard_type in FLOOR_GUARD_TYPES:
+        return True
+    if entry.name.endswith(".training"):
+        return True
+    # Guards on the frame's inputs: neither a global nor reached through a module.
+    return not entry.is_global and bool(entry.name) and not _is_nn_module_source(entry)
+
+
+def soundness_floor(entries: Sequence[GuardFilterEntry]) -> list[bool]:
+    """Return ``True`` for each guard that guardtrain never lets a filter drop."""
+    return [_floor_keeps(e) for e in entries]
+
+
+def all_of(*filters: GuardFilter) -> GuardFilter:
+    """Keep a guard only if every filter keeps it (each filter's drops add up)."""
+    if not filters:
+        return keep_all
+
+    def combined(entries: Sequence[GuardFilterEntry]) -> list[bool]:
+        keep = [True] * len(entries)
+        for f in filters:
+            keep = [k and bool(r) for k, r in zip(keep, f(entries))]
+        return keep
+
+    combined.__name__ = "all_of(" + ", ".join(_name(f) for f in filters) + ")"
+    return combined
+
+
+def any_of(*filters: GuardFilter) -> GuardFilter:
+    """Keep a guard if any filter keeps it."""
+
+    def combined(entries: Sequence[GuardFilterEntry]) -> list[bool]:
+        keep = [False] * len(entries)
+        for f in filters:
+            keep = [k or bool(r) for k, r in zip(keep, f(entries))]
+        return keep
+
+    combined.__name__ = "any_of(" + ", ".join(_name(f) for f in filters) + ")"
+    return combined
+
+
+def with_floor(f: GuardFilter) -> GuardFilter:
+    """``f``, but never dropping a guard of :func:`soundness_floor`."""
+    if f is keep_all:
+        return keep_all
+    return any_of(f, soundness_floor)
+
+
+def _name(f: Any) -> str:
+    return getattr(f, "__name__", type(f).__name__)
+
+
+def available(name: str) -> bool:
+    """Whether the installed torch has the named filter."""
+    import torch.compiler
+
+    attr, _ = NAMED_FILTERS[name]
+    return attr is None or hasattr(torch.compiler, attr)
+
+
+def _by_name(name: str) -> GuardFilter | None:
+    if name not in NAMED_FILTERS:
+        raise GuardTrainValueError(
+            f"`guard_filter` names an unknown filter {name!r}; "
+            f"known filters: {sorted(NAMED_FILTERS)}."
+        )
+    attr, version = NAMED_FILTERS[name]
+    if attr is None:
+        return keep_all
+    import torch
+    import torch.compiler
+
+    fn = getattr(torch.compiler, attr, None)
+    if fn is None:
+        warnings.warn(
+            f"guardtrain: guard filter {name!r} needs torch>={version} "
+            f"(installed: {torch.__version__}); it is switched off.",
+            stacklevel=3,
+        )
+        return None
+    return fn  # type: ignore[no-any-return]
+
+
+def resolve(spec: FilterSpec) -> GuardFilter | None:
+    """Turn a filter name, a callable, or a sequence of them into one filter.
+
+    A sequence combines its members with :func:`all_of` (each one's drops add
+    up). ``None`` returns ``None`` (keep every guard). A named filter that the
+    installed torch lacks is switched off with a warning naming the version it
+    needs. The floor is not added here: see :func:`with_floor`.
+
+    Raises:
+        GuardTrainValueError: an unknown filter name (the message lists the known ones).
+        GuardTrainTypeError: something that is neither a name nor a callable.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return _by_name(spec)
+    if callable(spec):
+        return spec
+    if isinstance(spec, Iterable):
+        parts = [resolve(s) for s in spec]  # type: ignore[arg-type]
+        kept = [p for p in parts if p is not None]
+        return all_of(*kept) if kept else None
+    raise GuardTrainTypeError(
+        f"`guard_filter` must be a filter name, a callable taking a list of "
+        f"GuardFilterEntry, or a list of those; got {spec!r} ({type(spec).__name__})."
+    )

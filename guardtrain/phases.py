@@ -1,0 +1,163 @@
+"""The warm-up -> steady -> re-armed state machine. Pure Python, no Lightning.
+
+Each loop (``"train"``, ``"validate"``, ``"test"``, ``"predict"``) has its own
+phase, because each runs the compiled code in another state (grad mode,
+``training`` flags, batch shapes):
+
+* ``"warmup"``: full guards. Training becomes *ready* once at least
+  ``warmup_steps`` batches ran and none of the last ``stable_steps`` compiled.
+  An evaluation loop becomes ready after one complete pass without a compile.
+* ``"steady"``: the caller runs the loop under the unsafe stance.
+* a *re-arm* sends a loop back to ``"warmup"`` and records why. After a re-arm
+  training needs ``stable_steps`` batches without a compile again.
+* ``"off"``: the preset never uses the stance.
+
+Entry is decided by the caller at *decision points* only
+(:meth:`PhaseMachine.is_decision_point`), so several processes can agree on
+the same batch with one collective each time (H7). A single process decides
+on every batch.
+
+Example:
+    >>> m = PhaseMachine(warmup_steps=2, stable_steps=1, use_stance=True)
+    >>> m.batch_done("train", compiled=True); m.ready("train")
+    False
+    >>> m.batch_done("train", compiled=False); m.ready("train")
+    True
+    >>> m.enter("train"); m.phase("train")
+    'steady'
+    >>> m.rearm("train", step=2, reason="batch signature changed"); m.phase("train")
+    'warmup'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LOOPS", "PHASE_NUMBERS", "LoopState", "PhaseMachine"]
+
+LOOPS = ("train", "validate", "test", "predict")
+PHASE_NUMBERS = {"off": 0, "warmup": 1, "steady": 2}
+
+
+@dataclass(slots=True)
+class LoopState:
+    """Counters of one loop."""
+
+    phase: str = "warmup"
+    batches: int = 0
+    """Batches run by this loop since the start of the run."""
+    since_compile: int = 0
+    """Batches since the last batch that compiled (or since a re-arm)."""
+    warmed_once: bool = False
+    """The loop reached ``warmup_steps`` once; after a re-arm only ``stable_steps`` count."""
+    clean_pass: bool = False
+    """An evaluation loop finished a complete pass without a compile."""
+    pass_compiled: bool = False
+    signatures: set[Any] = field(default_factory=set)
+    """Batch signatures seen with full guards."""
+
+
+class PhaseMachine:
+    """Decides per loop when the stance may be used; records re-arms.
+
+    Args:
+        warmup_steps: training batches before the first entry.
+        stable_steps: batches without a compile needed before (re-)entry.
+        use_stance: whether the stance is used at all (else every loop is ``"off"``).
+        collective: decisions are made by several processes together; then
+            training decides every ``stable_steps`` batches, not every batch.
+    """
+
+    def __init__(
+        self, warmup_steps: int, stable_steps: int, use_stance: bool, collective: bool = False
+    ) -> None:
+        self.warmup_steps = warmup_steps
+        self.stable_steps = stable_steps
+        self.use_stance = use_stance
+        self.collective = collective
+        self.loops = {name: LoopState() for name in LOOPS}
+        self.rearms: list[dict[str, Any]] = []
+        self.warmup_steps_taken = 0
+        self.steady_steps = 0
+
+    def phase(self, loop: str) -> str:
+        return self.loops[loop].phase if self.use_stance else "off"
+
+    def steady(self, loop: str) -> bool:
+        return self.use_stance and self.loops[loop].phase == "steady"
+
+    # -- events ------------------------------------------------------------------------------
+
+    def batch_done(self, loop: str, compiled: bool) -> None:
+        state = self.loops[loop]
+        state.batches += 1
+        if loop == "train":
+            if self.steady("train"):
+                self.steady_steps += 1
+            else:
+                self.warmup_steps_taken += 1
+        if compiled:
+            state.since_compile = 0
+            state.pass_compiled = True
+        else:
+            state.since_compile += 1
+        if state.batches >= self.warmup_steps:
+            state.warmed_once = True
+
+    def pass_started(self, loop: str) -> None:
+        self.loops[loop].pass_compiled = False
+
+    def pass_done(self, loop: str, complete: bool) -> None:
+        """An evaluation loop ended; ``complete`` is False for the sanity check or a cut-off pass."""
+        state = self.loops[loop]
+        if complete and not state.pass_compiled:
+            state.clean_pass = True
+        elif state.pass_compiled:
+            state.clean_pass = False
+
+    def is_decision_point(self, loop: str) -> bool:
+        """Whether entry may be decided now (always in one process)."""
+        if not self.collective or loop != "train":
+            return True
+        state = self.loops[loop]
+        return state.batches >= self.warmup_steps and (
+            (state.batches - self.warmup_steps) % self.stable_steps == 0
+        )
+
+    def ready(self, loop: str) -> bool:
+        """This process's vote: the loop is warm and may enter the stance."""
+        if not self.use_stance:
+            return False
+        state = self.loops[loop]
+        if state.phase == "steady":
+            return False
+        if loop == "train":
+            return state.warmed_once and state.since_compile >= self.stable_steps
+        return state.clean_pass
+
+    def enter(self, loop: str) -> None:
+        self.loops[loop].phase = "steady"
+
+    def rearm(self, loop: str | None, step: int, reason: str, rank: int | None = None) -> None:
+        """Send ``loop`` (or every loop when None) back to warm-up and record why."""
+        names = LOOPS if loop is None else (loop,)
+        for name in names:
+            state = self.loops[name]
+            state.phase = "warmup"
+            state.since_compile = 0
+            state.clean_pass = False
+        record: dict[str, Any] = {"step": int(step), "reason": reason}
+        if loop is not None:
+            record["loop"] = loop
+        if rank is not None:
+            record["rank"] = rank
+        self.rearms.append(record)
+
+    def new_signature(self, loop: str, signature: Any) -> bool:
+        """Remember a batch signature; True when it was not seen before."""
+        seen = self.loops[loop].signatures
+        if signature in seen:
+            return False
+        seen.add(signature)
+        return True

@@ -1,0 +1,109 @@
+"""Named presets: which guard levers a :class:`~guardtrain.GuardTuneCallback` pulls.
+
+Each preset is a frozen :class:`GuardPreset`. Its field names are the
+constructor arguments of the callback, so ``GuardTuneCallback(preset="balanced",
+use_stance=False)`` reads as "the balanced preset, but never enter the stance".
+
+| preset     | recursive dict tags | install_free_tensors | guard filter             | stance |
+|------------|---------------------|----------------------|--------------------------|--------|
+| off        | no                  | no                   | none                     | no     |
+| safe       | yes                 | no                   | none                     | no     |
+| balanced   | yes                 | yes                  | skip_inbuilt_nn_modules  | yes    |
+| aggressive | yes                 | yes                  | skip_all_nn_modules      | yes    |
+
+Every preset compiles; ``off`` only leaves Dynamo's guards as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from guardtrain.errors import GuardTrainTypeError, GuardTrainValueError
+
+__all__ = ["GuardPreset", "PRESETS", "get_preset"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GuardPreset:
+    """The levers of one preset. Field names equal the callback's arguments."""
+
+    warmup_steps: int = 20
+    """Training batches that run with full guards before the stance may be entered."""
+
+    stable_steps: int = 10
+    """The stance is entered only when none of the last ``stable_steps`` batches compiled."""
+
+    recursive_dict_tags: bool = False
+    """Set ``torch._dynamo.config.use_recursive_dict_tags_for_guards`` during the run."""
+
+    install_free_tensors: bool = False
+    """Compile with ``torch._dynamo.config.install_free_tensors`` (each target gets a private cache)."""
+
+    guard_filter: str | None = None
+    """Name of a filter in :mod:`guardtrain.filters`, or ``None`` to keep every guard."""
+
+    use_stance: bool = False
+    """Enter ``set_stance(skip_guard_eval_unsafe=True)`` once a loop is warm."""
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_steps", "stable_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise GuardTrainTypeError(
+                    f"`{name}` must be an int, got {value!r} ({type(value).__name__})."
+                )
+        if self.warmup_steps < 0:
+            raise GuardTrainValueError(
+                f"`warmup_steps` must be >= 0, got {self.warmup_steps}."
+            )
+        if self.stable_steps < 1:
+            raise GuardTrainValueError(
+                f"`stable_steps` must be >= 1, got {self.stable_steps}."
+            )
+        for name in ("recursive_dict_tags", "install_free_tensors", "use_stance"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise GuardTrainTypeError(
+                    f"`{name}` must be a bool, got {value!r} ({type(value).__name__})."
+                )
+        if self.guard_filter is not None and not isinstance(self.guard_filter, str):
+            raise GuardTrainTypeError(
+                f"A preset's `guard_filter` must be a filter name or None, got {self.guard_filter!r}."
+            )
+
+
+PRESETS: Mapping[str, GuardPreset] = MappingProxyType(
+    {
+        "off": GuardPreset(),
+        "safe": GuardPreset(recursive_dict_tags=True),
+        "balanced": GuardPreset(
+            recursive_dict_tags=True,
+            install_free_tensors=True,
+            guard_filter="skip_inbuilt_nn_modules",
+            use_stance=True,
+        ),
+        "aggressive": GuardPreset(
+            recursive_dict_tags=True,
+            install_free_tensors=True,
+            guard_filter="skip_all_nn_modules",
+            use_stance=True,
+        ),
+    }
+)
+"""Preset name -> :class:`GuardPreset`."""
+
+
+def get_preset(name: str) -> GuardPreset:
+    """Return the preset called ``name``; the error lists the valid names."""
+    if not isinstance(name, str):
+        raise GuardTrainTypeError(
+            f"`preset` must be one of {sorted(PRESETS)}, got {name!r} ({type(name).__name__})."
+        )
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise GuardTrainValueError(
+            f"`preset` must be one of {list(PRESETS)}, got {name!r}."
+        ) from None
