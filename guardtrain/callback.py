@@ -122,9 +122,8 @@ class GuardTuneCallback(Callback):
             }.items()
             if v is not None
         }
-        if isinstance(guard_filter, str) or guard_filter is None:
-            if guard_filter is not None:
-                overrides["guard_filter"] = guard_filter
+        if isinstance(guard_filter, str):
+            overrides["guard_filter"] = guard_filter
         self.preset = preset
         self.settings: GuardPreset = dataclasses.replace(base, **overrides)
         for flag, value in (("unsafe_drop_floor", unsafe_drop_floor), ("log_metrics", log_metrics)):
@@ -246,7 +245,9 @@ class GuardTuneCallback(Callback):
 
     def _levers(self) -> dict[str, Any]:
         spec = self._filter_spec
-        name = spec if isinstance(spec, str) or spec is None else getattr(spec, "__name__", "custom")
+        name = (
+            spec if isinstance(spec, str) or spec is None else getattr(spec, "__name__", "custom")
+        )
         return {
             "recursive_dict_tags": self._dict_tags,
             "install_free_tensors": self._ift,
@@ -281,13 +282,21 @@ class GuardTuneCallback(Callback):
         dynamo_cfg = torch._dynamo.config
         if self._dict_tags and not hasattr(dynamo_cfg, "use_recursive_dict_tags_for_guards"):
             self._dict_tags = False
-            self._switch_off("recursive_dict_tags", f"needs torch>=2.9 (installed {torch.__version__})")
+            self._switch_off(
+                "recursive_dict_tags", f"needs torch>=2.9 (installed {torch.__version__})"
+            )
         if self._ift and not hasattr(dynamo_cfg, "install_free_tensors"):
             self._ift = False
-            self._switch_off("install_free_tensors", f"needs torch>=2.8 (installed {torch.__version__})")
-        if self._use_stance and "skip_guard_eval_unsafe" not in getattr(
-            torch.compiler.set_stance, "__code__", torch.compiler.set_stance
-        ).co_varnames:
+            self._switch_off(
+                "install_free_tensors", f"needs torch>=2.8 (installed {torch.__version__})"
+            )
+        if (
+            self._use_stance
+            and "skip_guard_eval_unsafe"
+            not in getattr(
+                torch.compiler.set_stance, "__code__", torch.compiler.set_stance
+            ).co_varnames
+        ):
             self._use_stance = False
             self._switch_off("use_stance", f"needs torch>=2.6 (installed {torch.__version__})")
         self._machine.use_stance = self._use_stance
@@ -300,7 +309,9 @@ class GuardTuneCallback(Callback):
             resolved = _filters.with_floor(resolved)
         self._resolved_filter = resolved
         self._unsafe = (
-            self._ift or self._use_stance or (resolved is not None and resolved is not _filters.keep_all)
+            self._ift
+            or self._use_stance
+            or (resolved is not None and resolved is not _filters.keep_all)
         )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -450,7 +461,7 @@ class GuardTuneCallback(Callback):
         m = self._machine
         m.batch_done(loop, compiled)
         if compiled:
-            self._take_references()
+            self._after_compile()
         if loop == "train" and m.use_stance and m.is_decision_point(loop):
             self._decide(loop)
         if loop == "train":
@@ -492,9 +503,23 @@ class GuardTuneCallback(Callback):
 
     # -- state checks --------------------------------------------------------------------------
 
-    def _take_references(self) -> None:
+    def _after_compile(self) -> None:
+        """Once per batch that compiled: fingerprints, and no free tensors across graph breaks."""
         for target in self._targets:
-            if id(target) not in self._references:
+            if target.graph_breaks and target.install_free_tensors:
+                # A graph break compiles the module's own `forward`, whose code
+                # other instances share: install_free_tensors there is H12.
+                label = target.name or "<LightningModule>"
+                target.install_free_tensors = False
+                target.rebuild()
+                self._references.pop(id(target), None)
+                self._switch_off(
+                    f"install_free_tensors for {label!r}",
+                    "it has graph breaks, and the frames after a break run code shared by "
+                    "every instance of its class",
+                )
+                self._rearm(None, f"{label}: recompiling without install_free_tensors")
+            elif id(target) not in self._references:
                 self._references[id(target)] = tensor_fingerprint(target.module)
 
     def _boundary_check(self, loop: str) -> None:
@@ -664,4 +689,3 @@ class GuardTuneCallback(Callback):
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._loop_end("predict", complete=True)
-

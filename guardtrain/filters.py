@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch._dynamo.types import GuardFilterEntry
 
 GuardFilter = Callable[[Sequence["GuardFilterEntry"]], Sequence[bool]]
-FilterSpec = Union[str, GuardFilter, Sequence[Union[str, GuardFilter]], None]
+FilterSpec = Union[str, GuardFilter, Sequence[str | GuardFilter], None]
 
 __all__ = [
     "GuardFilter",

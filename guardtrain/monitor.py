@@ -55,8 +55,10 @@ def batch_signature(batch: Any) -> Any:
 
 def describe_signature(signature: Any) -> str:
     """A short readable form of a :func:`batch_signature`."""
-    if isinstance(signature, tuple) and len(signature) == 3 and isinstance(
-        signature[0], torch.Size
+    if (
+        isinstance(signature, tuple)
+        and len(signature) == 3
+        and isinstance(signature[0], torch.Size)
     ):
         shape, dtype, device = signature
         return f"{tuple(shape)} {str(dtype).replace('torch.', '')} {device}"
@@ -79,7 +81,10 @@ def tensor_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
     unfrozen backbone or a dtype/device move is seen.
     """
     rows: list[tuple[Any, ...]] = []
-    for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+    for kind, items in (
+        ("parameter", module.named_parameters()),
+        ("buffer", module.named_buffers()),
+    ):
         for name, t in items:
             rows.append((kind, name, id(t), t.requires_grad, t.dtype, t.device, tuple(t.shape)))
     return tuple(rows)

@@ -55,13 +55,9 @@ class GuardPreset:
                     f"`{name}` must be an int, got {value!r} ({type(value).__name__})."
                 )
         if self.warmup_steps < 0:
-            raise GuardTrainValueError(
-                f"`warmup_steps` must be >= 0, got {self.warmup_steps}."
-            )
+            raise GuardTrainValueError(f"`warmup_steps` must be >= 0, got {self.warmup_steps}.")
         if self.stable_steps < 1:
-            raise GuardTrainValueError(
-                f"`stable_steps` must be >= 1, got {self.stable_steps}."
-            )
+            raise GuardTrainValueError(f"`stable_steps` must be >= 1, got {self.stable_steps}.")
         for name in ("recursive_dict_tags", "install_free_tensors", "use_stance"):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -1,0 +1,427 @@
+"""End-to-end runs: every guarded run must equal an uncompiled run of the same model."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import (
+    EAGER,
+    TinyModule,
+    assert_restored,
+    assert_same_run,
+    compare,
+    fit,
+    loaders,
+    make_trainer,
+)
+from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
+from torch import nn
+
+from guardtrain import GuardTuneCallback
+
+
+def guard(preset: str = "aggressive", **kwargs: Any) -> GuardTuneCallback:
+    kwargs.setdefault("warmup_steps", 3)
+    kwargs.setdefault("stable_steps", 2)
+    kwargs.setdefault("compile_kwargs", EAGER)
+    return GuardTuneCallback(preset, **kwargs)
+
+
+@pytest.mark.parametrize("preset", ["off", "safe", "balanced", "aggressive"])
+def test_train_eval_switch_matches_eager(preset: str) -> None:
+    cb, model = compare(TinyModule, lambda: guard(preset))
+    s = cb.summary()
+    assert s["compiles"] >= 2  # train and eval entries at least
+    if preset in ("balanced", "aggressive"):
+        assert s["phase"] == "steady"
+        assert s["steady_steps"] > 0
+        assert s["phases"]["validate"] == "steady"
+    else:
+        assert s["phase"] == "off" and s["steady_steps"] == 0
+    assert_restored(model)
+
+
+def test_validation_step_that_enables_grad() -> None:
+    cb, _ = compare(lambda: TinyModule(grad_in_val=True), lambda: guard())
+    assert cb.summary()["steady_steps"] > 0
+
+
+class HandCompiled(L.Callback):
+    """What a user does by hand: torch.compile with an nn-module guard filter (H2)."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        pl_module.forward = torch.compile(
+            pl_module.forward,
+            backend="eager",
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+        )
+
+
+def test_the_comparison_catches_stale_eval() -> None:
+    """The eager comparison can fail: a hand-made filter reuses the training graph in eval."""
+    L.seed_everything(0, verbose=False)
+    eager = TinyModule(grad_in_val=True)
+    fit(eager)
+    L.seed_everything(0, verbose=False)
+    unsafe = TinyModule(grad_in_val=True)
+    fit(unsafe, [HandCompiled()])
+    with pytest.raises(AssertionError, match="loss 0: eager"):
+        assert_same_run(eager, unsafe)
+
+
+def test_boundary_check_catches_eval_without_the_floor() -> None:
+    """Even with the floor dropped, the boundary re-check sees `.training` change and rebuilds."""
+    cb, _ = compare(lambda: TinyModule(grad_in_val=True), lambda: guard(unsafe_drop_floor=True))
+    reasons = [r["reason"] for r in cb.summary()["rearms"]]
+    assert any(".training: True -> False" in r for r in reasons), reasons
+
+
+def test_short_last_batch_train_and_validation() -> None:
+    cb, _ = compare(TinyModule, lambda: guard(), data={"n_train": 100, "n_val": 50})
+    s = cb.summary()
+    assert s["steady_steps"] > 0
+    assert any("unseen batch signature" in r["reason"] for r in s["rearms"])
+
+
+def test_drop_last_has_no_rearm_in_training() -> None:
+    cb, _ = compare(TinyModule, lambda: guard(), data={"n_train": 100, "drop_last": True})
+    assert not [r for r in cb.summary()["rearms"] if r.get("loop") == "train"]
+
+
+def test_sanity_check_disabled() -> None:
+    cb, _ = compare(TinyModule, lambda: guard(), num_sanity_val_steps=0)
+    assert cb.summary()["steady_steps"] > 0
+
+
+def test_backbone_finetuning_unfreeze() -> None:
+    class FT(TinyModule):
+        def configure_optimizers(self) -> Any:
+            params = [p for p in self.parameters() if p.requires_grad]
+            return torch.optim.SGD(params, lr=0.05)
+
+    cb, _ = compare(
+        FT,
+        lambda: guard(),
+        extra=lambda: [BackboneFinetuning(unfreeze_backbone_at_epoch=2, verbose=False)],
+        max_epochs=4,
+    )
+    reasons = [r["reason"] for r in cb.summary()["rearms"]]
+    assert any("requires_grad" in r for r in reasons), reasons
+
+
+class ReplaceHead(L.Callback):
+    """At the start of epoch 2, replace the head's parameters with load_state_dict(assign=True)."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.current_epoch == 2:
+            new = {k: torch.full_like(v, 0.01) for k, v in pl_module.head.state_dict().items()}
+            pl_module.head.load_state_dict(new, assign=True)
+            trainer.optimizers[0].param_groups[0]["params"] = list(pl_module.parameters())
+
+
+def test_parameter_replaced_with_assign() -> None:
+    cb, _ = compare(TinyModule, lambda: guard(), extra=lambda: [ReplaceHead()], max_epochs=3)
+    reasons = [r["reason"] for r in cb.summary()["rearms"]]
+    assert any("replaced" in r for r in reasons), reasons
+
+
+def test_stochastic_weight_averaging() -> None:
+    cb, _ = compare(
+        TinyModule,
+        lambda: guard(),
+        extra=lambda: [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)],
+        max_epochs=4,
+    )
+    assert cb.summary()["compiles"] > 0
+
+
+class ChangeDropout(L.Callback):
+    """A callback that changes a module attribute read in forward (dropout p)."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.current_epoch == 2:
+            pl_module.backbone[3].p = 0.0
+
+
+def test_changed_module_attribute_forces_recompile() -> None:
+    cb, _ = compare(TinyModule, lambda: guard(), extra=lambda: [ChangeDropout()], max_epochs=3)
+    reasons = [r["reason"] for r in cb.summary()["rearms"]]
+    assert any(".p: 0.3 -> 0.0" in r for r in reasons), reasons
+
+
+class Autocast(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.current_epoch >= 1:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return super().training_step(batch, batch_idx)
+        return super().training_step(batch, batch_idx)
+
+
+def test_autocast_switched_on_mid_run() -> None:
+    cb, _ = compare(Autocast, lambda: guard(), max_epochs=3)
+    s = cb.summary()
+    assert any("stance miss" in r["reason"] for r in s["rearms"]), s["rearms"]
+    assert s["steady_steps"] > 0
+
+
+class DoubleAtEpoch(L.Callback):
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.current_epoch == 1:
+            pl_module.double()
+
+
+class DoubleBatches(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return super().training_step((x.to(self.dtype), y.to(self.dtype)), batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        super().validation_step((x.to(self.dtype), y.to(self.dtype)), batch_idx)
+
+
+def test_dtype_change() -> None:
+    cb, _ = compare(DoubleBatches, lambda: guard(), extra=lambda: [DoubleAtEpoch()], max_epochs=3)
+    reasons = [r["reason"] for r in cb.summary()["rearms"]]
+    assert any("dtype" in r for r in reasons), reasons
+
+
+class ResetDynamo(L.Callback):
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int
+    ) -> None:
+        if trainer.global_step == 2:
+            torch._dynamo.reset()
+
+
+def test_dynamo_reset_during_warmup() -> None:
+    cb, _ = compare(TinyModule, lambda: guard(warmup_steps=4), extra=lambda: [ResetDynamo()])
+    s = cb.summary()
+    assert s["steady_steps"] > 0
+    assert any(e["step"] == 2 for e in s["compile_events"]), s["compile_events"]
+
+
+class SelfForward(TinyModule):
+    """Calls self.forward(x) as the lightning-hydra-template does; one child with parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(self.backbone, self.head)
+        del self.backbone, self.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.forward(x), y)
+        self.train_losses.append(loss.detach().clone())
+        return loss
+
+
+def test_self_forward_uses_compiled_code() -> None:
+    cb, model = compare(SelfForward, lambda: guard())
+    s = cb.summary()
+    assert s["targets"] == ["net"]
+    assert s["compiles"] > 0 and s["steady_steps"] > 0
+    assert list(model.state_dict())[0] == "net.0.0.weight"
+
+
+class Blocks(TinyModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(0.1)) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.backbone(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def test_regional_compile_of_identical_blocks() -> None:
+    cb, model = compare(
+        Blocks, lambda: guard(targets=["blocks.*"], compile_kwargs={"backend": "aot_eager"})
+    )
+    s = cb.summary()
+    assert s["targets"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert s["compiles"] >= 6  # each block has its own cache: train + eval each
+    assert s["steady_steps"] > 0
+    assert_restored(model)
+
+
+class Boom(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == 8:
+            raise RuntimeError("boom in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+def test_exception_in_training_step_restores_everything() -> None:
+    model = Boom()
+    cb = guard()
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(model, [cb])
+    assert cb.summary()["steady_steps"] > 0  # the exception came in the steady state
+    assert_restored(model)
+    # The process is still usable: an uncompiled and a guarded run agree.
+    compare(TinyModule, lambda: guard())
+
+
+def test_keyboard_interrupt_restores_everything() -> None:
+    class Interrupt(TinyModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.global_step == 7:
+                raise KeyboardInterrupt
+            return super().training_step(batch, batch_idx)
+
+    model = Interrupt()
+    cb = guard()
+    with pytest.raises(SystemExit):  # Lightning 2.6 ends the run with exit code 1
+        fit(model, [cb])
+    assert cb.summary()["steady_steps"] > 0
+    assert_restored(model)
+
+
+def test_two_fits_in_one_process() -> None:
+    compare(TinyModule, lambda: guard())
+    cb, _ = compare(TinyModule, lambda: guard())
+    assert cb.summary()["steady_steps"] > 0
+
+
+def test_summary_counts_and_log(caplog: pytest.LogCaptureFixture) -> None:
+    model = TinyModule()
+    cb = guard()
+    with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
+        fit(model, [cb])
+    s = cb.summary()
+    train_batches = 3 * 7
+    assert s["warmup_steps_taken"] + s["steady_steps"] == train_batches
+    assert s["preset"] == "aggressive"
+    assert isinstance(s["rearms"], list)
+    logged = [r.getMessage() for r in caplog.records if "guardtrain summary" in r.getMessage()]
+    assert len(logged) == 1
+    assert f"steady steps     {s['steady_steps']}" in logged[0]
+
+
+def test_checkpoint_save_and_resume(tmp_path: Any) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
+    model = TinyModule()
+    cb = guard()
+    fit(model, [cb, ckpt], max_epochs=2, enable_checkpointing=True)
+    first = cb.summary()
+    assert first["phase"] == "steady"
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]
+    saved = next(v for k, v in state.items() if k.startswith("GuardTuneCallback"))
+    assert saved["compiles"] == first["compiles"]
+
+    resumed = guard()
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer([resumed], max_epochs=3, enable_checkpointing=True)
+    train, val = loaders()
+    model2 = TinyModule()
+    phases: list[str] = []
+
+    class Spy(L.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            phases.append(resumed.phase)
+
+    trainer.callbacks.append(Spy())
+    trainer.fit(model2, train, val, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert phases[0] == "warmup"
+    assert "steady" in phases
+    s = resumed.summary()
+    assert s["compiles"] > first["compiles"]
+    assert s["warmup_steps_taken"] + s["steady_steps"] == 3 * 7
+
+
+def test_logger_gets_metrics_on_change(tmp_path: Any) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="run")
+    fit(TinyModule(), [guard()], logger=logger)
+    logger.save()
+    text = (tmp_path / "run" / "version_0" / "metrics.csv").read_text()
+    header = text.splitlines()[0]
+    assert "guard/phase" in header and "guard/compiles" in header and "guard/rearms" in header
+    rows = [line for line in text.splitlines()[1:] if line.strip()]
+    assert 1 < len(rows) < 3 * 7  # on change, not every step
+
+
+def test_kill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GUARDTRAIN_DISABLE", "1")
+    model = TinyModule()
+    cb = guard()
+    fit(model, [cb])
+    s = cb.summary()
+    assert s["disabled"] and s["compiles"] == 0 and s["phase"] == "off"
+    assert_restored(model)
+
+
+class Predicting(TinyModule):
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_validate_test_predict_match_eager(stage: str) -> None:
+    model = Predicting()
+    _, val = loaders()
+    model.eval()
+    with torch.no_grad():
+        ref = [model(x) for x, _ in val] * 3
+    model.train()
+    cb = guard()
+    trainer = make_trainer([cb])
+    outputs = []
+    for _ in range(3):  # each call is a run of its own: compiled afresh, restored after
+        result = getattr(trainer, stage)(model, val)
+        assert_restored(model)
+        if stage == "predict":
+            outputs.extend(result)
+    got = outputs if stage == "predict" else model.val_losses
+    if stage != "predict":
+        ref = [torch.nn.functional.mse_loss(r, y) for r, (_, y) in zip(ref, list(val) * 3)]
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    # One pass per run: it compiles, so a standalone run never reaches the stance.
+    assert cb.summary()["compiles"] > 0
+    assert cb.summary()["phases"][stage] == "warmup"
+
+
+def test_already_compiled_model_is_refused() -> None:
+    model = TinyModule()
+    model.head.compile(backend="eager")
+    with pytest.raises(ValueError, match="nn.Module.compile"):
+        fit(model, [guard(targets=["head"])])
+
+
+@pytest.mark.slow
+def test_inductor_end_to_end() -> None:
+    torch._inductor.config.fallback_random = True
+    try:
+        cb, _ = compare(
+            TinyModule, lambda: guard(compile_kwargs={"backend": "inductor"}), exact=False
+        )
+    finally:
+        torch._inductor.config.fallback_random = False
+    assert cb.summary()["steady_steps"] > 0
+
+
+def test_copy_of_callback_is_independent() -> None:
+    cb = guard()
+    other = copy.deepcopy(cb)
+    fit(TinyModule(), [cb])
+    assert other.summary()["compiles"] == 0
