@@ -316,7 +316,7 @@ def test_checkpoint_save_and_resume(tmp_path: Any) -> None:
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
     model = TinyModule()
     cb = guard()
-    fit(model, [cb, ckpt], max_epochs=2, enable_checkpointing=True)
+    fit(model, [cb, ckpt], max_epochs=2, enable_checkpointing=True, default_root_dir=tmp_path)
     first = cb.summary()
     assert first["phase"] == "steady"
     state = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]
@@ -325,7 +325,9 @@ def test_checkpoint_save_and_resume(tmp_path: Any) -> None:
 
     resumed = guard()
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer([resumed], max_epochs=3, enable_checkpointing=True)
+    trainer = make_trainer(
+        [resumed], max_epochs=3, enable_checkpointing=True, default_root_dir=tmp_path
+    )
     train, val = loaders()
     model2 = TinyModule()
     phases: list[str] = []
