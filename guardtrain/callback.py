@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,14 @@ from guardtrain.phases import PHASE_NUMBERS, PhaseMachine
 from guardtrain.presets import GuardPreset, get_preset
 
 __all__ = ["GuardTuneCallback"]
+
+
+def _parameters(fn: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
 
 DISABLE_ENV = "GUARDTRAIN_DISABLE"
 
@@ -111,7 +120,7 @@ class GuardTuneCallback(Callback):
         log_metrics: bool = True,
     ) -> None:
         base = get_preset(preset)
-        overrides = {
+        overrides: dict[str, Any] = {
             k: v
             for k, v in {
                 "warmup_steps": warmup_steps,
@@ -194,6 +203,7 @@ class GuardTuneCallback(Callback):
             "levers": self._levers(),
             "switched_off": list(self._switched_off),
             "stance_blocked": self._stance_blocked,
+            "uncompiled_targets": list(self._uncompiled),
             "disabled": self.disabled,
         }
 
@@ -233,6 +243,7 @@ class GuardTuneCallback(Callback):
         self._saved_config: dict[str, Any] = {}
         self._switched_off: list[dict[str, str]] = []
         self._stance_blocked: str | None = None
+        self._uncompiled: list[str] = []
         self._compiles_at_batch = 0
         self._logged: tuple[int, int, int] | None = None
         self._trainer: Trainer | None = None
@@ -290,12 +301,8 @@ class GuardTuneCallback(Callback):
             self._switch_off(
                 "install_free_tensors", f"needs torch>=2.8 (installed {torch.__version__})"
             )
-        if (
-            self._use_stance
-            and "skip_guard_eval_unsafe"
-            not in getattr(
-                torch.compiler.set_stance, "__code__", torch.compiler.set_stance
-            ).co_varnames
+        if self._use_stance and "skip_guard_eval_unsafe" not in _parameters(
+            torch.compiler.set_stance
         ):
             self._use_stance = False
             self._switch_off("use_stance", f"needs torch>=2.6 (installed {torch.__version__})")
@@ -318,6 +325,13 @@ class GuardTuneCallback(Callback):
         self._activate(trainer, pl_module)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        idle = [t.name or "<LightningModule>" for t in self._targets if t.compiles == 0]
+        if idle:
+            self._uncompiled = idle
+            rank_zero_warn(
+                f"guardtrain: target(s) {idle} ran uncompiled all run: their `forward` was "
+                "never called through the module (check `targets`), or Dynamo skipped it."
+            )
         self._restore()
         if not self._summary_logged and not self.disabled:
             self._summary_logged = True

@@ -189,7 +189,7 @@ def _compiling_frame() -> tuple[types.CodeType | None, str | None]:
     Read from Dynamo's ``_compile`` frame on the stack (the guard filter is
     called from inside it); ``(None, None)`` if this torch lays it out otherwise.
     """
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(40):
         if frame is None:
             break

@@ -427,3 +427,19 @@ def test_copy_of_callback_is_independent() -> None:
     other = copy.deepcopy(cb)
     fit(TinyModule(), [cb])
     assert other.summary()["compiles"] == 0
+
+
+class BypassesTarget(TinyModule):
+    """training_step uses the backbone's parts directly, so the `backbone` target never runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.backbone:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_warns_when_a_target_never_runs() -> None:
+    cb = guard(targets=["backbone"])
+    with pytest.warns(UserWarning, match=r"\['backbone'\] ran uncompiled all run"):
+        fit(BypassesTarget(), [cb], max_epochs=1)
+    assert cb.summary()["uncompiled_targets"] == ["backbone"]

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create .venv with guardtrain (editable) and its dev tools.
+#
+# A torch that is already importable in .venv is kept as it is. Without one,
+# the CPU build is installed: from a local wheel when pip's find-links has one
+# (no download), else from PyTorch's CPU index. A bare `pip install torch`
+# would pull a multi-GB CUDA build on Linux.
+#   GUARDTRAIN_TORCH_VERSION  torch version to install when none is present (2.13.0)
+#   PYTHON                    interpreter for the new venv (python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version="${GUARDTRAIN_TORCH_VERSION:-2.13.0}"
+if [ ! -x .venv/bin/python ]; then
+    "${PYTHON:-python3}" -m venv .venv
+fi
+py=.venv/bin/python
+quiet() { grep -v -e '^WARNING: Location' -e '^$' || true; }
+if "$py" -c "import torch" 2>/dev/null; then
+    echo "setup: keeping torch $("$py" -c 'import torch; print(torch.__version__)')"
+elif "$py" -m pip install -q --no-index --no-deps "torch==${version}" 2>&1 | quiet; \
+     "$py" -c "import torch" 2>/dev/null; then
+    echo "setup: installed torch ${version} from a local wheel"
+else
+    echo "setup: installing the CPU build of torch ${version} from download.pytorch.org"
+    "$py" -m pip install -q "torch==${version}" --index-url https://download.pytorch.org/whl/cpu \
+        --extra-index-url https://pypi.org/simple 2>&1 | quiet
+fi
+"$py" -m pip install -q -e ".[dev]" 2>&1 | quiet
+"$py" -c "import torch, lightning, guardtrain; print('setup: torch', torch.__version__, \
+'| lightning', lightning.__version__, '| guardtrain', guardtrain.__version__)"
