@@ -405,6 +405,7 @@ class GuardTuneCallback(Callback):
         )
         for target in self._targets:
             target.fast = on
+            target.fast_training = target.module.training
         self._stance_on = on
 
     def _rearm(self, loop: str | None, reason: str) -> None:
@@ -414,12 +415,10 @@ class GuardTuneCallback(Callback):
     def _on_compile(self, target: CompiledTarget, reason: str | None) -> None:
         self._monitor.record(self._train_batches(), target.name, reason)
 
-    def _on_miss(self, target: CompiledTarget, err: BaseException) -> bool:
-        if target.graph_breaks:  # never in the stance; kept for safety
-            return False
+    def _on_miss(self, target: CompiledTarget, reason: str) -> bool:
         label = target.name or "<LightningModule>"
-        self._rearm(self._loop, f"stance miss in {label!r}: no compiled entry accepted the call")
-        return True
+        self._rearm(self._loop, f"stance miss in {label!r}: {reason}")
+        return not target.graph_breaks  # never in the stance with graph breaks (_blocker)
 
     def _blocker(self) -> str | None:
         """Why the stance must not be entered now, or None."""

@@ -231,7 +231,8 @@ def _trampoline_code() -> types.CodeType:
 
 
 CompileHook = Callable[["CompiledTarget", str | None], None]
-MissHook = Callable[["CompiledTarget", BaseException], bool]
+MissHook = Callable[["CompiledTarget", str], bool]
+_MISS = "no compiled entry accepted the call"
 
 
 class CompiledTarget:
@@ -244,7 +245,9 @@ class CompiledTarget:
         guard_filter: the filter to install (floor already added), or ``None``.
         install_free_tensors: compile this target with ``install_free_tensors``.
         on_compile: called after each frame compilation of this target.
-        on_miss: called on a stance miss; returns True when the call may be retried.
+        on_miss: called with a reason on a stance miss, or when the module's
+            ``training`` flag changed under the stance; it must leave the stance.
+            Returns True when the call may be retried with full guards.
     """
 
     def __init__(
@@ -262,6 +265,8 @@ class CompiledTarget:
         self.install_free_tensors = install_free_tensors
         self.fast = False
         """True while the unsafe stance is on: calls skip the config patch."""
+        self.fast_training = module.training
+        """The module's ``training`` flag when the stance was entered (checked per call)."""
         self.compiles = 0
         self.graph_breaks = False
         self.assertions: list[tuple[Assertion, ...]] = []
@@ -378,14 +383,19 @@ class CompiledTarget:
         target = self
         cfg = torch._dynamo.config
 
+        module = self.module
+
         @functools.wraps(self._func)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if target.fast:
-                try:
-                    return target.compiled(*args, **kwargs)
-                except RuntimeError as err:
-                    if not (is_stance_miss(err) and target._on_miss(target, err)):
-                        raise
+                if module.training is target.fast_training:
+                    try:
+                        return target.compiled(*args, **kwargs)
+                    except RuntimeError as err:
+                        if not (is_stance_miss(err) and target._on_miss(target, _MISS)):
+                            raise
+                else:  # the stance does not check `training` (H1): leave it first
+                    target._on_miss(target, f"module.training changed to {module.training}")
             ift = target.install_free_tensors
             previous = cfg.install_free_tensors
             if previous is ift:

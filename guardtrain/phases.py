@@ -140,13 +140,18 @@ class PhaseMachine:
         self.loops[loop].phase = "steady"
 
     def rearm(self, loop: str | None, step: int, reason: str, rank: int | None = None) -> None:
-        """Send ``loop`` (or every loop when None) back to warm-up and record why."""
+        """Send ``loop`` (or every loop when None) back to warm-up and record why.
+
+        ``loop=None`` is for a rebuilt target: it also forgets the batch signatures.
+        """
         names = LOOPS if loop is None else (loop,)
         for name in names:
             state = self.loops[name]
             state.phase = "warmup"
             state.since_compile = 0
             state.clean_pass = False
+            if loop is None:  # every compiled entry is gone: signatures must be seen again
+                state.signatures.clear()
         record: dict[str, Any] = {"step": int(step), "reason": reason}
         if loop is not None:
             record["loop"] = loop

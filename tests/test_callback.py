@@ -443,3 +443,33 @@ def test_warns_when_a_target_never_runs() -> None:
     with pytest.warns(UserWarning, match=r"\['backbone'\] ran uncompiled all run"):
         fit(BypassesTarget(), [cb], max_epochs=1)
     assert cb.summary()["uncompiled_targets"] == ["backbone"]
+
+
+class EvalProbe(L.Callback):
+    """Calls the model in eval mode between steady training steps, as an EMA/probe would."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step % 5:
+            return
+        pl_module.eval()
+        with torch.no_grad():
+            got = pl_module(self.x)
+            ref = type(pl_module).forward(pl_module, self.x)  # the plain, uncompiled forward
+        pl_module.train()
+        self.pairs.append((got, ref))
+
+
+def test_eval_call_between_steady_steps_leaves_the_stance() -> None:
+    probe = EvalProbe()
+    model = TinyModule()
+    cb = guard()
+    fit(model, [cb, probe])
+    assert len(probe.pairs) >= 3
+    for got, ref in probe.pairs:
+        assert torch.equal(got, ref)
+    reasons = [r["reason"] for r in cb.summary()["rearms"]]
+    assert any("module.training changed to False" in r for r in reasons), reasons
