@@ -1,0 +1,1 @@
+"""Hydra configs shipped with guardtrain (``pkg://guardtrain.conf``); see ``guard/``."""
