@@ -29,6 +29,16 @@ from guardtrain.presets import GuardPreset, get_preset
 __all__ = ["GuardTuneCallback"]
 
 
+def _every(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GuardTrainTypeError(f"`{name}` must be an int or None, got {value!r}.")
+    if value < 1:
+        raise GuardTrainValueError(f"`{name}` must be >= 1 (or None to disable), got {value}.")
+    return value
+
+
 def _parameters(fn: Any) -> tuple[str, ...]:
     try:
         return tuple(inspect.signature(fn).parameters)
@@ -89,6 +99,25 @@ class GuardTuneCallback(Callback):
             floor. Unsafe: ``eval()`` or a new dtype may then silently reuse code.
         log_metrics: log ``guard/phase``, ``guard/compiles`` and ``guard/rearms``
             through the Trainer's loggers when they change.
+        audit_every: every ``audit_every`` steady training batches, repeat the
+            boundary re-check inside the epoch and run one batch with full guards;
+            a compile in that batch means an assumption of the stance broke (a
+            global read in ``forward`` changed, say): re-arm with its reason.
+            ``None`` disables audits. Cost: one batch with full guards (tens to
+            hundreds of µs of guard evaluation) and one walk over the parameters
+            per audit; at the default of 200 that is well under 1 µs per step.
+        verify_every: every ``verify_every`` steady training batches, run the eager
+            ``forward`` beside the compiled one (same RNG state and buffers, under
+            ``no_grad``) and rebuild the target with a report when the outputs
+            differ beyond ``verify_rtol``/``verify_atol``. Off by default: each
+            verified batch costs one more eager forward and one copy of the
+            buffers. With inductor, random ops (dropout) in training mode draw
+            differently from eager unless ``torch._inductor.config.fallback_random``.
+        verify_rtol: relative tolerance of ``verify_every``.
+        verify_atol: absolute tolerance of ``verify_every``.
+        guard_collectives: with several processes, turn on
+            ``torch.compiler.set_enable_guard_collectives`` while the stance is on,
+            so ranks agree on every guard failure, at one collective per compiled call.
 
     Raises:
         GuardTrainValueError: an unknown preset or filter name, a negative step
@@ -118,6 +147,11 @@ class GuardTuneCallback(Callback):
         use_stance: bool | None = None,
         unsafe_drop_floor: bool = False,
         log_metrics: bool = True,
+        audit_every: int | None = 200,
+        verify_every: int | None = None,
+        verify_rtol: float = 1e-4,
+        verify_atol: float = 1e-6,
+        guard_collectives: bool = False,
     ) -> None:
         base = get_preset(preset)
         overrides: dict[str, Any] = {
@@ -135,11 +169,23 @@ class GuardTuneCallback(Callback):
             overrides["guard_filter"] = guard_filter
         self.preset = preset
         self.settings: GuardPreset = dataclasses.replace(base, **overrides)
-        for flag, value in (("unsafe_drop_floor", unsafe_drop_floor), ("log_metrics", log_metrics)):
+        for flag, value in (
+            ("unsafe_drop_floor", unsafe_drop_floor),
+            ("log_metrics", log_metrics),
+            ("guard_collectives", guard_collectives),
+        ):
             if not isinstance(value, bool):
                 raise GuardTrainTypeError(f"`{flag}` must be a bool, got {value!r}.")
         self.unsafe_drop_floor = unsafe_drop_floor
         self.log_metrics = log_metrics
+        self.guard_collectives = guard_collectives
+        self.audit_every = _every("audit_every", audit_every)
+        self.verify_every = _every("verify_every", verify_every)
+        for flag, tol in (("verify_rtol", verify_rtol), ("verify_atol", verify_atol)):
+            if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+                raise GuardTrainValueError(f"`{flag}` must be a number >= 0, got {tol!r}.")
+        self.verify_rtol = float(verify_rtol)
+        self.verify_atol = float(verify_atol)
 
         self.compile_kwargs = check_compile_kwargs(compile_kwargs)
         in_options = (self.compile_kwargs.get("options") or {}).get("guard_filter_fn")
@@ -195,7 +241,8 @@ class GuardTuneCallback(Callback):
             "phase": self.phase,
             "phases": {loop: m.phase(loop) for loop in m.loops},
             "compiles": self._monitor.compiles + r.get("compiles", 0),
-            "rearms": list(r.get("rearms", [])) + list(m.rearms),
+            "rearms": list(r.get("rearms", []))
+            + list(m.rearms if self._all_rearms is None else self._all_rearms),
             "warmup_steps_taken": m.warmup_steps_taken + r.get("warmup_steps_taken", 0),
             "steady_steps": m.steady_steps + r.get("steady_steps", 0),
             "targets": list(self._target_names),
@@ -247,6 +294,13 @@ class GuardTuneCallback(Callback):
         self._compiles_at_batch = 0
         self._logged: tuple[int, int, int] | None = None
         self._trainer: Trainer | None = None
+        self._rank: int | None = None
+        self._all_rearms: list[dict[str, Any]] | None = None
+        self._since_audit = 0
+        self._since_verify = 0
+        self._audit_batch = False
+        self._verify_batch = False
+        self._guard_collectives_prev: bool | None = None
         self._active = False
         self._summary_logged = False
         self._unsafe = False
@@ -290,6 +344,18 @@ class GuardTuneCallback(Callback):
                 "Pass the plain LightningModule: GuardTuneCallback compiles it."
             )
         self._machine.collective = trainer.world_size > 1
+        self._rank = trainer.global_rank if self._machine.collective else None
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        if self._ift and isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+            # FSDP gathers and frees the full parameters around every forward, and
+            # install_free_tensors bakes the parameter objects into the graph (H3).
+            self._ift = False
+            self._switch_off(
+                "install_free_tensors",
+                f"{type(trainer.strategy).__name__} swaps parameters around every forward, "
+                "and install_free_tensors freezes parameter identity in the graph",
+            )
         dynamo_cfg = torch._dynamo.config
         if self._dict_tags and not hasattr(dynamo_cfg, "use_recursive_dict_tags_for_guards"):
             self._dict_tags = False
@@ -323,6 +389,19 @@ class GuardTuneCallback(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._activate(trainer, pl_module)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """With several processes, collect every rank's re-arms for rank zero's summary."""
+        if not self._machine.collective or self.disabled:
+            return
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, list(self._machine.rearms))
+        merged = [r for rank_rearms in gathered for r in (rank_rearms or [])]
+        self._all_rearms = sorted(merged, key=lambda r: (r["step"], r.get("rank", 0)))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         idle = [t.name or "<LightningModule>" for t in self._targets if t.compiles == 0]
@@ -407,10 +486,23 @@ class GuardTuneCallback(Callback):
             target.fast = on
             target.fast_training = target.module.training
         self._stance_on = on
+        if self.guard_collectives and self._machine.collective:
+            if on:
+                self._guard_collectives_prev = torch.compiler.set_enable_guard_collectives(True)
+            elif self._guard_collectives_prev is not None:
+                torch.compiler.set_enable_guard_collectives(self._guard_collectives_prev)
+                self._guard_collectives_prev = None
 
     def _rearm(self, loop: str | None, reason: str) -> None:
         self._set_stance(False)
-        self._machine.rearm(loop, step=self._train_batches(), reason=reason)
+        self._machine.rearm(loop, step=self._train_batches(), reason=reason, rank=self._rank)
+
+    def _rebuild(self, target: CompiledTarget, reason: str) -> None:
+        """Forget every compiled entry of ``target`` and send every loop back to warm-up."""
+        label = target.name or "<LightningModule>"
+        self._references.pop(id(target), None)
+        target.rebuild()
+        self._rearm(None, f"{label}: {reason}; recompiling")
 
     def _on_compile(self, target: CompiledTarget, reason: str | None) -> None:
         self._monitor.record(self._train_batches(), target.name, reason)
@@ -463,15 +555,60 @@ class GuardTuneCallback(Callback):
             elif m.steady(loop) and module.training != (loop == "train"):
                 self._rearm(loop, f"module.training is {module.training} in the {loop} loop")
             want = m.steady(loop) and not (loop != "train" and self._trainer_sanity())
+            if want and loop == "train":
+                want = self._audit_or_verify()
             if want != self._stance_on:
                 self._set_stance(want)
         self._compiles_at_batch = self._monitor.compiles
+
+    def _audit_or_verify(self) -> bool:
+        """Start an audit or a verify batch when one is due; return whether to use the stance."""
+        if self.audit_every is not None and self._since_audit >= self.audit_every:
+            self._since_audit = 0
+            self._boundary_check("train")
+            if not self._machine.steady("train"):
+                return False
+            self._audit_batch = True
+            return False
+        if self.verify_every is not None and self._since_verify >= self.verify_every:
+            self._since_verify = 0
+            self._verify_batch = True
+            for target in self._targets:
+                target.start_verify(self.verify_rtol, self.verify_atol)
+        return True
+
+    def _end_audit_or_verify(self, compiled: bool) -> None:
+        if self._audit_batch:
+            self._audit_batch = False
+            if compiled:
+                event = self._monitor.events[-1] if self._monitor.events else {}
+                self._rearm(
+                    "train",
+                    f"audit batch compiled with full guards ({event.get('reason', 'unknown')}): "
+                    "the stance was running code whose guards no longer held",
+                )
+        if self._verify_batch:
+            self._verify_batch = False
+            for target in list(self._targets):
+                mismatch = target.stop_verify()
+                if mismatch is not None:
+                    label = target.name or "<LightningModule>"
+                    rank_zero_warn(
+                        f"guardtrain: verify: compiled {label!r} differs from eager: {mismatch}. "
+                        "Rebuilding it; please report this with the re-arm history."
+                    )
+                    self._rebuild(target, f"verify found a difference from eager ({mismatch})")
 
     def _batch_end(self, loop: str) -> None:
         if not self._active:
             return
         compiled = self._monitor.compiles != self._compiles_at_batch
         m = self._machine
+        if loop == "train":
+            self._end_audit_or_verify(compiled)
+            if m.steady(loop):
+                self._since_audit += 1
+                self._since_verify += 1
         m.batch_done(loop, compiled)
         if compiled:
             self._after_compile()
@@ -524,14 +661,12 @@ class GuardTuneCallback(Callback):
                 # other instances share: install_free_tensors there is H12.
                 label = target.name or "<LightningModule>"
                 target.install_free_tensors = False
-                target.rebuild()
-                self._references.pop(id(target), None)
                 self._switch_off(
                     f"install_free_tensors for {label!r}",
                     "it has graph breaks, and the frames after a break run code shared by "
                     "every instance of its class",
                 )
-                self._rearm(None, f"{label}: recompiling without install_free_tensors")
+                self._rebuild(target, "graph breaks: no install_free_tensors")
             elif id(target) not in self._references:
                 self._references[id(target)] = tensor_fingerprint(target.module)
 
@@ -546,9 +681,7 @@ class GuardTuneCallback(Callback):
             if change is None and stale is not None:
                 change = f"{stale} (a guard that was dropped or skipped)"
             if change is not None:
-                self._references.pop(id(target), None)
-                target.rebuild()
-                self._rearm(None, f"{label}: {change}; recompiling")
+                self._rebuild(target, change)
             elif unmatched is not None and self._machine.steady(loop):
                 self._rearm(loop, f"{label}: {unmatched}")
 

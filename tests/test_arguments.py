@@ -93,8 +93,9 @@ def test_import_has_no_side_effects() -> None:
     import sys
 
     code = (
-        "import sys, guardtrain, torch; "
-        "assert 'lightning' in sys.modules; "
+        "import sys, guardtrain; "
+        "assert 'torch' not in sys.modules and 'lightning' not in sys.modules; "
+        "guardtrain.GuardTuneCallback; import torch; "
         "from torch._dynamo import config as c; "
         "assert not c.install_free_tensors and not c.use_recursive_dict_tags_for_guards; "
         "assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe; print('ok')"

@@ -69,6 +69,11 @@ class GuardTuneConf:
     use_stance: bool | None = None
     unsafe_drop_floor: bool = False
     log_metrics: bool = True
+    audit_every: int | None = 200
+    verify_every: int | None = None
+    verify_rtol: float = 1e-4
+    verify_atol: float = 1e-6
+    guard_collectives: bool = False
 
 
 ConfigStore.instance().store(

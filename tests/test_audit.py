@@ -1,0 +1,122 @@
+"""Audits and verify batches: changes inside an epoch that no per-batch check can see."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import EAGER, fit
+from torch import nn
+
+from guardtrain import GuardTuneCallback
+
+GAIN = 1.0  # a module global read in forward: Dynamo guards it, the stance skips that guard
+CHANGE_AT = 10
+
+
+class Gain(L.LightningModule):
+    """Checks every compiled output against the plain forward on the same input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.matches: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * GAIN
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        with torch.no_grad():
+            ref = type(self).forward(self, x)
+        self.matches.append(torch.equal(out.detach(), ref))
+        return nn.functional.mse_loss(out, y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class SetGain(L.Callback):
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        global GAIN
+        GAIN = 2.0 if trainer.global_step >= CHANGE_AT else 1.0
+
+
+def run(**kwargs: Any) -> tuple[Gain, GuardTuneCallback]:
+    model = Gain()
+    cb = GuardTuneCallback(
+        "aggressive", warmup_steps=3, stable_steps=2, targets=[""], compile_kwargs=EAGER, **kwargs
+    )
+    fit(model, [cb, SetGain()], data={"n_train": 16 * 30}, max_epochs=1, limit_val_batches=0)
+    return model, cb
+
+
+def stale_steps(model: Gain) -> list[int]:
+    return [i for i, ok in enumerate(model.matches) if not ok]
+
+
+def test_without_audits_the_stance_stays_stale() -> None:
+    """What the audits are for: nothing else notices the global changed."""
+    model, cb = run(audit_every=None)
+    assert cb.summary()["steady_steps"] > CHANGE_AT
+    assert stale_steps(model) == list(range(CHANGE_AT, 30))
+
+
+def test_audit_batch_catches_a_changed_global() -> None:
+    model, cb = run(audit_every=4)
+    stale = stale_steps(model)
+    assert len(stale) <= 4 and all(i >= CHANGE_AT for i in stale), stale
+    assert model.matches[-10:] == [True] * 10
+    reasons = [r["reason"] for r in cb.summary()["rearms"]]
+    assert any("audit batch compiled" in r and "GAIN" in r for r in reasons), reasons
+
+
+def test_verify_batch_catches_a_difference_from_eager() -> None:
+    with pytest.warns(UserWarning, match="verify: compiled '<LightningModule>' differs from eager"):
+        model, cb = run(audit_every=None, verify_every=3)
+    stale = stale_steps(model)
+    assert len(stale) <= 4 and all(i >= CHANGE_AT for i in stale), stale
+    assert model.matches[-10:] == [True] * 10
+    reasons = [r["reason"] for r in cb.summary()["rearms"]]
+    assert any("verify found a difference from eager" in r for r in reasons), reasons
+
+
+def test_verify_leaves_training_unchanged() -> None:
+    """A verify batch restores RNG and buffers: the run equals one without verification."""
+    from conftest import TinyModule, assert_same_run
+
+    L.seed_everything(0, verbose=False)
+    plain = TinyModule()
+    fit(
+        plain,
+        [GuardTuneCallback("aggressive", warmup_steps=3, stable_steps=2, compile_kwargs=EAGER)],
+    )
+    L.seed_everything(0, verbose=False)
+    verified = TinyModule()
+    cb = GuardTuneCallback(
+        "aggressive", warmup_steps=3, stable_steps=2, compile_kwargs=EAGER, verify_every=1
+    )
+    fit(verified, [cb])
+    assert_same_run(plain, verified)
+    assert not [r for r in cb.summary()["rearms"] if "verify" in r["reason"]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"audit_every": 0},
+            ValueError,
+            r"`audit_every` must be >= 1 \(or None to disable\), got 0",
+        ),
+        ({"verify_every": 1.5}, TypeError, r"`verify_every` must be an int or None, got 1.5"),
+        ({"verify_rtol": -1.0}, ValueError, r"`verify_rtol` must be a number >= 0, got -1.0"),
+        ({"guard_collectives": "on"}, TypeError, r"`guard_collectives` must be a bool"),
+    ],
+)
+def test_bad_audit_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        GuardTuneCallback(**kwargs)
