@@ -1,0 +1,62 @@
+"""The recompile limit (H5): never enter the stance for a target that reached it."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import EAGER, TinyModule, assert_same_run, make_trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from guardtrain import GuardTuneCallback
+
+
+def varying_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(120, 8, generator=g)
+    y = torch.randn(120, 1, generator=g)
+    sizes, batches, start = [16, 12, 10, 8], [], 0
+    while start < 120:
+        size = sizes[len(batches) % len(sizes)]
+        batches.append(list(range(start, min(start + size, 120))))
+        start += size
+    return DataLoader(TensorDataset(x, y), batch_sampler=batches)
+
+
+def run(callbacks: list[Any]) -> TinyModule:
+    L.seed_everything(0, verbose=False)
+    model = TinyModule()
+    trainer = make_trainer(callbacks, max_epochs=2, limit_val_batches=0)
+    trainer.fit(model, varying_loader())
+    return model
+
+
+@pytest.fixture
+def low_limit() -> Any:
+    cfg = torch._dynamo.config
+    saved = cfg.recompile_limit
+    cfg.recompile_limit = 2
+    yield
+    cfg.recompile_limit = saved
+
+
+def test_stance_stays_off_after_the_recompile_limit(low_limit: Any) -> None:
+    eager = run([])
+    cb = GuardTuneCallback(
+        "aggressive",
+        warmup_steps=3,
+        stable_steps=2,
+        compile_kwargs={**EAGER, "dynamic": False},
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guarded = run([cb])
+    assert_same_run(eager, guarded)
+    s = cb.summary()
+    assert s["stance_blocked"] is not None and "recompile_limit=2" in s["stance_blocked"]
+    assert s["phase"] == "off" and s["steady_steps"] == 0
+    ours = [w for w in caught if "the stance stays off" in str(w.message)]
+    assert len(ours) == 1
