@@ -267,6 +267,10 @@ class CompiledTarget:
         """True while the unsafe stance is on: calls skip the config patch."""
         self.fast_training = module.training
         """The module's ``training`` flag when the stance was entered (checked per call)."""
+        self.retry_eagerly = False
+        """Retry a stance miss with the plain ``forward``: with guard collectives the miss
+        may be another rank's, and a second compiled call here would issue a collective
+        that the other ranks never match."""
         self.compiles = 0
         self.graph_breaks = False
         self.assertions: list[tuple[Assertion, ...]] = []
@@ -396,6 +400,8 @@ class CompiledTarget:
                     except RuntimeError as err:
                         if not (is_stance_miss(err) and target._on_miss(target, _MISS)):
                             raise
+                        if target.retry_eagerly:
+                            return target._bound(*args, **kwargs)
                 else:  # the stance does not check `training` (H1): leave it first
                     target._on_miss(target, f"module.training changed to {module.training}")
             ift = target.install_free_tensors
