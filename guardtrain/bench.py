@@ -22,20 +22,26 @@ Configurations:
   the configuration runs, and (``use_stance``) ``set_stance(skip_guard_eval_unsafe=True)``
   after warm-up, with the targets' per-call ``training`` check and miss handler on.
 * ``floor``: ``torch.compiler.skip_all_guards_unsafe`` + ``install_free_tensors``:
-  the unsound lower limit, for reference. It keeps the grad-mode guard only, so
-  that the training step and the ``no_grad`` call get graphs of their own
-  (without it the first graph compiled would serve both).
+  the unsound lower limit, for reference. It keeps Dynamo's one global-state
+  guard (grad mode, autocast), so that the training step and the ``no_grad``
+  call get graphs of their own: without it the first graph compiled serves
+  both (the ``no_grad`` calls would run the training graph).
 
 Metrics per configuration: ``guard_us`` and ``pregraph_us`` (profiler events
-``TorchDynamo Cache Lookup`` and ``Pregraph bytecode``, summed over all
-compiled frames of one model call, in a short profiled window of ``no_grad``
-calls), ``call_us`` (a whole ``no_grad`` call, without the profiler),
-``step_us`` (forward, backward, ``SGD.step``), ``compiles`` (Dynamo frame
-compiles during warm-up and measurement) and ``matches_eager``: after the
-measurements (training mode), the model is switched to ``eval()`` and called
-under ``no_grad``; the output must equal the uncompiled model's with the same
-weights. ``floor`` fails this on models with dropout: it reuses the
-training-mode graph.
+``TorchDynamo Cache Lookup`` and ``Pregraph bytecode`` in a short profiled
+window of ``no_grad`` calls in training mode; per model call, i.e. summed over
+its compiled frames, 12 for ``regional``; each frame's median over the window,
+see :mod:`guardtrain.overhead`), ``call_us`` (a whole ``no_grad`` call, without
+the profiler), ``step_us`` (forward, backward, ``SGD.step``), ``compiles``
+(Dynamo frame compiles during warm-up and measurement) and ``matches_eager``:
+after the measurements (training mode), the model is switched to ``eval()``
+and called under ``no_grad``; the output must equal the uncompiled model's
+with the same weights. ``floor`` fails this on models with dropout: it reuses
+the training-mode graph.
+
+``call_us`` and ``step_us`` time every call on its own and take the median of
+the window; within a repeat the configurations take turns every
+:data:`CALL_CHUNK` calls (:data:`STEP_CHUNK` steps), so each sees the same load.
 
 The models run with one intra-op thread by default (``--threads``): on a
 machine with 2 shared cores, two OpenMP threads spin against other processes
@@ -66,7 +72,7 @@ from torch import nn
 from guardtrain import filters as _filters
 from guardtrain.compile import CompiledTarget, check_compile_kwargs, resolve_targets
 from guardtrain.errors import GuardTrainValueError
-from guardtrain.overhead import LookupWindow
+from guardtrain.overhead import LookupStats, LookupWindow
 from guardtrain.presets import PRESETS
 
 __all__ = [
@@ -90,6 +96,9 @@ MODELS = ("mlp", "transformer", "regional")
 """Built-in models; ``package.module:factory`` names a user model."""
 QUICK_MODELS = ("transformer",)
 METRICS = ("guard_us", "pregraph_us", "call_us", "step_us")
+CALL_CHUNK = 5
+"""no_grad calls per configuration before the next one takes its turn."""
+STEP_CHUNK = 2
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -265,8 +274,11 @@ def _floor_filter() -> _filters.GuardFilter:
 class Runner:
     """One configuration of one model: its own copy of the model, compiled its own way."""
 
-    def __init__(self, model: BenchModel, config: str, backend: str) -> None:
+    def __init__(
+        self, model: BenchModel, config: str, backend: str, train_step: bool = True
+    ) -> None:
         self.model = model
+        self.with_step = train_step
         self.config = config
         self.module = copy.deepcopy(model.module)
         self.module.train()
@@ -282,6 +294,7 @@ class Runner:
         self.compiles = 0
         self.steady_compiles = 0
         self.check_compiles = 0
+        self.check_misses: list[str] = []
         self.measuring = False
         self._stance_on = False
         kwargs = check_compile_kwargs({"backend": backend})
@@ -380,7 +393,7 @@ class Runner:
         for i in range(max_rounds):
             before = self.compiles
             with self.active():
-                for _ in range(2):
+                for _ in range(2 if self.with_step else 0):
                     self.train_step()
                 for _ in range(2):
                     self.forward_no_grad()
@@ -391,58 +404,54 @@ class Runner:
             self.steady = self.blocked is None
             if self.steady:
                 with self.active():
-                    self.train_step()
+                    if self.with_step:
+                        self.train_step()
                     self.forward_no_grad()
                 if self.misses:
                     self.steady = False
         self.measuring = True
 
-    def time_calls(self, n: int) -> float:
+    def timed(self, fn: Callable[[], Any], n: int) -> list[float]:
+        """µs of each of ``n`` calls of ``fn``, each timed on its own (gc off)."""
+        times = [0.0] * n
+        clock = time.perf_counter_ns
         with self.active():
             gc.disable()
             try:
-                t0 = time.perf_counter_ns()
-                for _ in range(n):
-                    self.forward_no_grad()
-                t1 = time.perf_counter_ns()
+                for i in range(n):
+                    t0 = clock()
+                    fn()
+                    times[i] = (clock() - t0) / 1e3
             finally:
                 gc.enable()
-        return (t1 - t0) / 1e3 / n
+        return times
 
-    def time_steps(self, n: int) -> float:
-        with self.active():
-            gc.disable()
-            try:
-                t0 = time.perf_counter_ns()
-                for _ in range(n):
-                    self.train_step()
-                t1 = time.perf_counter_ns()
-            finally:
-                gc.enable()
-        return (t1 - t0) / 1e3 / n
-
-    def lookup(self, n: int, window: LookupWindow) -> tuple[float, float, float] | None:
-        """Guard and pre-graph µs per model call, and the window's own cost, or None (eager)."""
+    def lookup(self, n: int, window: LookupWindow) -> LookupStats | None:
+        """A profiled window of ``n`` no_grad calls (None for eager, or if a profiler runs)."""
         if self.config == "eager":
             return None
         with self.active():
             if not window.start():
                 return None
-            for _ in range(n):
-                self.forward_no_grad()
-            stats = window.stop(calls=n)
-        assert stats is not None
-        return stats.guard_us_total / n, stats.pregraph_us_total / n, stats.cost_us
+            try:
+                for _ in range(n):
+                    self.forward_no_grad()
+            finally:
+                stats = window.stop(calls=n)
+        return stats
 
     def eval_check(self) -> tuple[bool, float]:
         """``eval()`` after training-mode warm-up: does the output equal the uncompiled model's?"""
         self.measuring = False
         before = self.compiles
+        misses = len(self.misses)
         with self.active():
             self.module.eval()
             out = _first_tensor(self.forward_no_grad()).detach()
         self.check_compiles = self.compiles - before
         self.compiles = before
+        self.check_misses = self.misses[misses:]
+        del self.misses[misses:]
         reference = copy.deepcopy(self.model.module)
         reference.load_state_dict(self.module.state_dict())
         reference.eval()
@@ -476,6 +485,8 @@ class BenchOptions:
     """Training steps per timing window (None: calibrated)."""
     window_s: float = 0.15
     threads: int | None = 1
+    train_step: bool = True
+    """Measure the training step (``--quick`` leaves it out: no backward compiles)."""
     tiny: bool = False
     quick: bool = False
     progress: bool = True
@@ -499,13 +510,13 @@ class Progress:
             return
         self._bar = tqdm(total=total, unit="task", file=sys.stderr, dynamic_ncols=True)
 
-    def update(self, desc: str) -> None:
-        self.done += 1
+    def update(self, desc: str, n: int = 1) -> None:
+        self.done += n
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.set_description_str(desc, refresh=False)
-            self._bar.update(1)
+            self._bar.update(n)
             return
         now = time.perf_counter()
         if now - self._last >= 2.0 or self.done == self.total:
@@ -562,6 +573,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         raise GuardTrainValueError(f"--repeats must be >= 1, got {options.repeats}.")
     configs = parse_configs(options.configs)
     models = [build_model(m, tiny=options.tiny) for m in options.models]
+    threads = torch.get_num_threads()
     if options.threads:
         torch.set_num_threads(options.threads)
     machine = _machine()
@@ -579,6 +591,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     finally:
         progress.close()
         torch.compiler.set_stance("default")
+        torch.set_num_threads(threads)
     if hasattr(os, "getloadavg"):
         machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     out: dict[str, Any] = {
@@ -591,6 +604,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             "backend": options.backend,
             "threads": options.threads,
             "quick": options.quick,
+            "train_step": options.train_step,
             "tiny": options.tiny,
         },
         "results": results,
@@ -615,20 +629,22 @@ def _run_model(
         for config in configs:
             t0 = time.perf_counter()
             torch.manual_seed(0)
-            runner = Runner(model, config, options.backend)
+            runner = Runner(model, config, options.backend, options.train_step)
             runners[config] = runner
             runner.warm_up()
             warmup_s[config] = time.perf_counter() - t0
             progress.update(f"{model.name}: warm up {config}")
 
-        first = runners[configs[0]]
+        first = runners["compile" if "compile" in runners else configs[-1]]
         calls, steps = options.calls, options.steps
         if calls is None:
-            per_call = min(first.time_calls(3), 1e6) / 1e6
-            calls = max(5, min(400, round(options.window_s / max(per_call, 1e-6))))
-        if steps is None:
-            per_step = min(first.time_steps(2), 1e6) / 1e6
-            steps = max(3, min(200, round(options.window_s / max(per_step, 1e-6))))
+            per_call = statistics.median(first.timed(first.forward_no_grad, 5)) / 1e6
+            calls = max(20, min(400, round(options.window_s / max(per_call, 1e-6))))
+        if steps is None and options.train_step:
+            per_step = statistics.median(first.timed(first.train_step, 3)) / 1e6
+            steps = max(6, min(200, round(options.window_s / max(per_step, 1e-6))))
+        if not options.train_step or steps is None:
+            steps = 0
         lookup_calls = max(3, min(calls, 50))
 
         samples: dict[str, list[dict[str, float | None]]] = {c: [] for c in configs}
@@ -638,15 +654,27 @@ def _run_model(
                 c: {"guard_us": None, "pregraph_us": None} for c in configs
             }
             for config in order:
-                got = runners[config].lookup(lookup_calls, window)
-                if got is not None:
-                    row[config]["guard_us"], row[config]["pregraph_us"], cost = got
-                    window_costs.append(cost)
-            for config in order:
-                row[config]["call_us"] = runners[config].time_calls(calls)
-            for config in order:
-                row[config]["step_us"] = runners[config].time_steps(steps)
-                progress.update(f"{model.name}: repeat {r + 1}/{options.repeats}")
+                stats = runners[config].lookup(lookup_calls, window)
+                if stats is not None:
+                    row[config]["guard_us"] = stats.guard_us_per_call
+                    row[config]["pregraph_us"] = stats.pregraph_us_per_call
+                    row[config]["lookups_per_call"] = stats.lookups / lookup_calls
+                    window_costs.append(stats.cost_us)
+            for metric, n, chunk, work in (
+                ("call", calls, CALL_CHUNK, "forward_no_grad"),
+                ("step", steps, STEP_CHUNK, "train_step"),
+            ):
+                # Round-robin in small chunks: every configuration sees the same load.
+                times: dict[str, list[float]] = {c: [] for c in configs}
+                while n > 0 and len(times[order[0]]) < n:
+                    for config in order:
+                        runner = runners[config]
+                        times[config] += runner.timed(getattr(runner, work), chunk)
+                for config in configs:
+                    t = times[config]
+                    row[config][f"{metric}_us"] = statistics.median(t) if t else None
+                    row[config][f"{metric}_mean_us"] = sum(t) / len(t) if t else None
+            progress.update(f"{model.name}: repeat {r + 1}/{options.repeats}", len(configs))
             for config in configs:
                 samples[config].append(row[config])
 
@@ -679,6 +707,7 @@ def _run_model(
             if runner.blocked:
                 result["stance_blocked"] = runner.blocked
             result["misses"] = runner.misses[:5]
+            result["eval_check_misses"] = runner.check_misses[:1]
             result["calls_per_window"] = calls
             result["steps_per_window"] = steps
             result["lookup_calls_per_window"] = lookup_calls
@@ -830,7 +859,8 @@ def format_table(data: dict[str, Any]) -> str:
     )
     notes.append(
         "µs: median over repeats, ± half the range in % of the median; ratios: median of "
-        "per-repeat ratios; guard/pregraph: per model call (all compiled frames)."
+        "per-repeat ratios; guard/pregraph: per model call (all compiled frames); "
+        "call/step: median call of each window."
     )
     for r in data["results"]:
         extra = []
@@ -895,6 +925,8 @@ def plot(data: dict[str, Any], path: str) -> None:
                 ax.bar(xs, guard, label="guards", color="#c44e52")
                 ax.bar(xs, pre, bottom=guard, label="pre-graph", color="#dd8452")
                 ax.legend(fontsize=8)
+            elif all(r[metric] is None for r in rows):
+                ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
             else:
                 vals = [r[metric] or 0.0 for r in rows]
                 err_lo, err_hi = [], []
@@ -1004,7 +1036,14 @@ def callback_cost(
                 "empty call (loop + lambda)": empty,
             }
             measured["steady_before"] = guard.phase
-            measured["us"] = {k: per_step(f, iterations) for k, f in pieces.items()}
+            us = {k: per_step(f, iterations) for k, f in pieces.items()}
+            audit_every = getattr(guard, "audit_every", None)
+            if audit_every is not None:
+                guard.audit_every = None  # the same hooks without the periodic audit batch
+                us["hooks, audit_every=None"] = per_step(hooks, iterations)
+                guard.audit_every = audit_every
+            measured["us"] = us
+            measured["audit_every"] = audit_every
             measured["steady_after"] = guard.phase
             if profile:
                 import cProfile
@@ -1051,6 +1090,7 @@ def callback_cost(
         "us_per_step": measured["us"],
         "steady": measured["steady_before"] == "steady" and measured["steady_after"] == "steady",
         "cprofile": measured.get("cprofile", ""),
+        "audit_every": measured.get("audit_every"),
         "target_us": 2.0,
     }
 
@@ -1058,7 +1098,8 @@ def callback_cost(
 def format_callback_cost(data: dict[str, Any]) -> str:
     lines = [
         f"callback cost, preset {data['preset']}, steady state, median of {data['repeats']} x "
-        f"{data['iterations']} iterations (torch {data['torch']})",
+        f"{data['iterations']} iterations (torch {data['torch']}); the hooks include the "
+        f"callback's audit batch every {data.get('audit_every')} steps, amortised",
     ]
     width = max(len(k) for k in data["us_per_step"])
     for name, us in data["us_per_step"].items():
@@ -1112,7 +1153,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="transformer only, shorter windows: under 3 minutes on 2 cores",
+        help="transformer only, no training step, shorter windows (see docs/bench.md)",
+    )
+    p.add_argument(
+        "--no-step", action="store_true", help="leave out the training step (no backward compile)"
     )
     p.add_argument("--tiny", action="store_true", help="shrink the built-in models (smoke tests)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -1138,9 +1182,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m guardtrain.be
                 raise GuardTrainValueError(
                     f"--preset {args.preset!r}: unknown preset; allowed: {', '.join(PRESETS)}."
                 )
+            threads = torch.get_num_threads()
             if args.threads:
                 torch.set_num_threads(args.threads)
-            data = callback_cost(preset=args.preset)
+            try:
+                data = callback_cost(preset=args.preset)
+            finally:
+                torch.set_num_threads(threads)
             print(format_callback_cost(data))
             if args.json:
                 _write_json(args.json, data)
@@ -1158,7 +1206,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m guardtrain.be
             backend=args.backend,
             calls=args.calls,
             steps=args.steps,
-            window_s=0.06 if args.quick else 0.15,
+            window_s=0.1 if args.quick else 0.2,
+            train_step=not (args.quick or args.no_step),
             threads=args.threads or None,
             tiny=args.tiny,
             quick=args.quick,

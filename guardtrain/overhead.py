@@ -17,14 +17,21 @@ Usage::
         stats.guard_us             # guard µs per compiled call (per lookup)
         stats.guard_us_per_call    # guard µs per model call / step (all frames)
 
-Its own cost (torch 2.13 CPU, 2 shared cores, medians; ``python -m
-guardtrain.bench --window-cost`` measures it again): starting the profiler
-about 0.1-0.3 ms, stopping it and reading the events about 1-3 ms for a window
-of 20 inductor calls of the 12-block transformer (stopping grows with the
-number of events: every aten op in the window is recorded too). While the
-window is open, every recorded op costs about 1 µs more, so do not time whole
-steps inside it; the two events' own lengths are barely affected (one
-timestamp pair each). Measure for a window of a few steps, not every step.
+Its own cost, measured on the 12-block transformer (inductor, one thread,
+2 shared cores, torch 2.13 CPU; medians of 7 windows): starting the profiler
+0.4-0.5 ms; stopping it and reading the events grow with the number of
+profiler events in the window (every aten op is recorded, not only the two
+events): per compiled call in the window about 1.1 ms to stop and 0.4 ms to
+parse, so 2.0 ms for a 1-call window, 8.0 ms for 5 calls, 31 ms for 20 calls.
+While the window is open, each call runs about 12% slower (2.48 -> 2.78 ms a
+call); the two events' own lengths are hardly affected (one timestamp pair
+each). So: measure a window of a few steps, a few times per run, and never
+time whole steps inside it. ``guardtrain bench`` reports the cost of its own
+windows (``lookup_window_cost_us`` in the JSON).
+
+Per-call figures use medians (of each frame position's events, see
+:func:`_per_call`), not means: on a shared machine a preemption inside one
+lookup stretches that event by milliseconds.
 
 The profiler is process-wide and only one can run at a time: :meth:`start`
 returns ``False`` (and :meth:`stop` then returns ``None``) when another
@@ -35,10 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,16 +65,37 @@ def profiler_active() -> bool:
     return bool(enabled()) if enabled is not None else False
 
 
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _per_call(durations: Sequence[float], calls: int | None) -> float | None:
+    """Robust µs per model call: the sum over frame positions of each position's median.
+
+    When every call ran the same ``k`` compiled frames (``len(durations) ==
+    k * calls``), event ``i`` belongs to frame ``i % k``; the median per frame
+    drops the few events that a preemption of the process stretched. Otherwise
+    the mean per call.
+    """
+    if not calls:
+        return None
+    n = len(durations)
+    if n == 0:
+        return 0.0
+    if n % calls:
+        return sum(durations) / calls
+    k = n // calls
+    return sum(_median(durations[j::k]) for j in range(k))
+
+
 @dataclass(frozen=True, slots=True)
 class LookupStats:
     """What one window measured. Times in µs."""
 
-    lookups: int
-    """``TorchDynamo Cache Lookup`` events: calls of compiled frames in the window."""
-    pregraph_events: int
-    """``Pregraph bytecode`` events."""
-    guard_us_total: float
-    pregraph_us_total: float
+    guard_durations_us: tuple[float, ...]
+    """Length of each ``TorchDynamo Cache Lookup`` event, in order."""
+    pregraph_durations_us: tuple[float, ...]
+    """Length of each ``Pregraph bytecode`` event, in order."""
     calls: int | None
     """Model calls (or steps) in the window, as passed to :meth:`LookupWindow.stop`."""
     start_us: float
@@ -79,23 +108,41 @@ class LookupStats:
     """Wall time between start and stop."""
 
     @property
+    def lookups(self) -> int:
+        """Calls of compiled frames in the window (one cache lookup each)."""
+        return len(self.guard_durations_us)
+
+    @property
+    def guard_us_total(self) -> float:
+        return sum(self.guard_durations_us)
+
+    @property
+    def pregraph_us_total(self) -> float:
+        return sum(self.pregraph_durations_us)
+
+    @property
     def guard_us(self) -> float:
-        """Guard µs per compiled call (per lookup); 0.0 when nothing compiled ran."""
-        return self.guard_us_total / self.lookups if self.lookups else 0.0
+        """Guard µs per compiled call: the median lookup (0.0 when nothing compiled ran)."""
+        return _median(self.guard_durations_us)
 
     @property
     def pregraph_us(self) -> float:
-        """Pre-graph µs per compiled call (per ``Pregraph bytecode`` event)."""
-        return self.pregraph_us_total / self.pregraph_events if self.pregraph_events else 0.0
+        """Pre-graph µs per compiled call: the median ``Pregraph bytecode`` event."""
+        return _median(self.pregraph_durations_us)
+
+    @property
+    def guard_us_mean(self) -> float:
+        n = len(self.guard_durations_us)
+        return self.guard_us_total / n if n else 0.0
 
     @property
     def guard_us_per_call(self) -> float | None:
-        """Guard µs per model call or step (all compiled frames it ran), when ``calls`` is known."""
-        return self.guard_us_total / self.calls if self.calls else None
+        """Guard µs per model call or step (all its compiled frames), when ``calls`` is known."""
+        return _per_call(self.guard_durations_us, self.calls)
 
     @property
     def pregraph_us_per_call(self) -> float | None:
-        return self.pregraph_us_total / self.calls if self.calls else None
+        return _per_call(self.pregraph_durations_us, self.calls)
 
     @property
     def cost_us(self) -> float:
@@ -103,15 +150,22 @@ class LookupStats:
         return self.start_us + self.stop_us + self.parse_us
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(
-            guard_us=self.guard_us,
-            pregraph_us=self.pregraph_us,
-            guard_us_per_call=self.guard_us_per_call,
-            pregraph_us_per_call=self.pregraph_us_per_call,
-            cost_us=self.cost_us,
-        )
-        return d
+        """The figures, without the per-event lists."""
+        return {
+            "lookups": self.lookups,
+            "pregraph_events": len(self.pregraph_durations_us),
+            "calls": self.calls,
+            "guard_us": self.guard_us,
+            "pregraph_us": self.pregraph_us,
+            "guard_us_mean": self.guard_us_mean,
+            "guard_us_per_call": self.guard_us_per_call,
+            "pregraph_us_per_call": self.pregraph_us_per_call,
+            "start_us": self.start_us,
+            "stop_us": self.stop_us,
+            "parse_us": self.parse_us,
+            "cost_us": self.cost_us,
+            "window_s": self.window_s,
+        }
 
 
 @contextlib.contextmanager
@@ -185,22 +239,20 @@ class LookupWindow:
         with _silent_stderr(self.quiet):
             prof.__exit__(None, None, None)
         t2 = time.perf_counter()
-        lookups = pregraph = 0
-        guard_ns = pregraph_ns = 0
+        guard: list[tuple[int, float]] = []
+        pregraph: list[tuple[int, float]] = []
         for event in prof.kineto_results.events():
             name = event.name()
             if name == GUARD_EVENT:
-                lookups += 1
-                guard_ns += event.duration_ns()
+                guard.append((event.start_ns(), event.duration_ns() / 1e3))
             elif name == PREGRAPH_EVENT:
-                pregraph += 1
-                pregraph_ns += event.duration_ns()
+                pregraph.append((event.start_ns(), event.duration_ns() / 1e3))
+        guard.sort()
+        pregraph.sort()
         t3 = time.perf_counter()
         return LookupStats(
-            lookups=lookups,
-            pregraph_events=pregraph,
-            guard_us_total=guard_ns / 1e3,
-            pregraph_us_total=pregraph_ns / 1e3,
+            guard_durations_us=tuple(d for _, d in guard),
+            pregraph_durations_us=tuple(d for _, d in pregraph),
             calls=calls,
             start_us=self._start_us,
             stop_us=(t2 - t1) * 1e6,
@@ -210,8 +262,9 @@ class LookupWindow:
 
     def __enter__(self) -> LookupWindow:
         self.result: LookupStats | None = None
+        self.calls: int | None = None
         self.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.result = self.stop()
+        self.result = self.stop(calls=self.calls)

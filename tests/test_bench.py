@@ -1,0 +1,248 @@
+"""The benchmark (``python -m guardtrain.bench``) and the in-run lookup window, on tiny models."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from guardtrain import bench
+from guardtrain.overhead import LookupWindow, profiler_active
+
+FAST = ["--backend", "eager", "--repeats", "2", "--calls", "4", "--steps", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    """One eager-backend run of every configuration on the tiny mlp (shared by several tests)."""
+    torch._dynamo.reset()
+    path = tmp_path_factory.mktemp("bench") / "out.json"
+    code = bench.main([*FAST, "--model", "mlp", "--tiny", "--json", str(path)])
+    assert code == 0
+    data = json.loads(path.read_text())
+    table = bench.format_table(data)
+    return data, table
+
+
+def test_json_has_the_documented_shape(tiny_run: tuple[dict[str, Any], str]) -> None:
+    data, _ = tiny_run
+    assert data["torch"] == torch.__version__
+    assert isinstance(data["machine"], dict) and data["machine"]["cores"]
+    assert len(data["results"]) == len(bench.CONFIGS)
+    for r in data["results"]:
+        for key in (
+            "model",
+            "config",
+            "guard_us",
+            "pregraph_us",
+            "call_us",
+            "step_us",
+            "compiles",
+            "matches_eager",
+            "repeats",
+        ):
+            assert key in r, key
+        assert r["model"] == "mlp"
+        assert len(r["repeats"]) == 2
+        assert r["call_us"] > 0 and r["step_us"] > 0
+        assert isinstance(r["matches_eager"], bool)
+        assert r["steady_compiles"] == 0, r
+    assert [r["config"] for r in data["results"]] == list(bench.CONFIGS)
+
+
+def test_every_config_measured_and_compiled_as_expected(
+    tiny_run: tuple[dict[str, Any], str],
+) -> None:
+    data, _ = tiny_run
+    by = {r["config"]: r for r in data["results"]}
+    assert by["eager"]["compiles"] == 0 and by["eager"]["guard_us"] is None
+    for config in ("compile", "off", "safe", "balanced", "aggressive", "floor"):
+        assert by[config]["compiles"] >= 1, config
+        assert by[config]["guard_us"] is not None, config
+    # Only the stance presets enter the stance, and nothing misses while measuring.
+    assert {c for c, r in by.items() if r["stance"]} == {"balanced", "aggressive"}
+    assert all(not r["misses"] for r in by.values())
+
+
+def test_floor_is_stale_after_eval_and_presets_are_not(
+    tiny_run: tuple[dict[str, Any], str],
+) -> None:
+    data, _ = tiny_run
+    by = {r["config"]: r for r in data["results"]}
+    assert by["floor"]["matches_eager"] is False
+    for config in ("eager", "compile", "off", "safe", "balanced", "aggressive"):
+        assert by[config]["matches_eager"] is True, (config, by[config]["max_abs_diff"])
+    # The stance presets left the stance on the training-flag change and recompiled.
+    assert by["aggressive"]["eval_check_compiles"] == 1
+    assert by["floor"]["eval_check_compiles"] == 0
+
+
+def test_table_prints(tiny_run: tuple[dict[str, Any], str]) -> None:
+    _, table = tiny_run
+    lines = table.splitlines()
+    assert lines[0].startswith("| model") and "guard µs" in lines[0] and "/floor" in lines[0]
+    for config in bench.CONFIGS:
+        assert any(f"| {config} " in line for line in lines), config
+    assert "NO (unsound)" in table
+    assert "target mlp/aggressive lookup_vs_compile" in table
+
+
+def test_user_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "benchpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            class Net(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.lin = nn.Linear(4, 4)
+                    self.drop = nn.Dropout(0.5)
+
+                def forward(self, x, scale):
+                    return self.drop(self.lin(x)) * scale
+
+            def make():
+                return Net(), (torch.randn(3, 4), torch.tensor(2.0))
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "user.json"
+    code = bench.main(
+        [
+            *FAST,
+            "--model",
+            "benchpkg.models:make",
+            "--configs",
+            "compile,aggressive,floor",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    data = json.loads(out.read_text())
+    by = {r["config"]: r for r in data["results"]}
+    assert set(by) == {"compile", "aggressive", "floor"}
+    assert all(r["model"] == "benchpkg.models:make" for r in data["results"])
+    assert by["aggressive"]["matches_eager"] is True
+    assert by["floor"]["matches_eager"] is False
+    sys.modules.pop("benchpkg.models", None)
+    sys.modules.pop("benchpkg", None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named", "allowed"),
+    [
+        (["--model", "resnet"], "'resnet'", "mlp, transformer, regional"),
+        (
+            ["--model", "nosuchpkg_xyz.mod:make"],
+            "'nosuchpkg_xyz.mod:make'",
+            "package.module:factory",
+        ),
+        (
+            ["--configs", "eager,fast"],
+            "'fast'",
+            "eager, compile, off, safe, balanced, aggressive, floor",
+        ),
+    ],
+)
+def test_bad_values_name_the_value_and_the_allowed_ones(
+    argv: list[str], named: str, allowed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench.main([*FAST, *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and allowed in err, err
+
+
+def test_factory_returning_something_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "badfactory_mod.py").write_text("def make():\n    return 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"badfactory_mod:make.*not \(module, example_input\)"):
+        bench.build_model("badfactory_mod:make")
+    sys.modules.pop("badfactory_mod", None)
+
+
+def test_console_script_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.cli(["nope"]) == 2
+    assert "allowed: bench" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        bench.cli(["bench", "--help"])
+    assert info.value.code == 0
+    assert "guardtrain bench" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_names_the_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    with pytest.raises(SystemExit):
+        bench.main([*FAST, "--model", "mlp", "--tiny", "--plot", str(tmp_path / "x.png")])
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_progress_falls_back_to_plain_text(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    progress = bench.Progress(2, enabled=True)
+    progress.update("one")
+    progress.update("two")
+    progress.close()
+    err = capsys.readouterr().err
+    assert "[1/2]" in err and "[2/2]" in err and "two" in err
+
+
+def test_lookup_window_counts_one_lookup_per_compiled_call() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    fn = torch.compile(net, backend="eager")
+    x = torch.randn(2, 4)
+    fn(x)
+    window = LookupWindow()
+    assert window.start()
+    assert profiler_active()
+    for _ in range(5):
+        fn(x)
+    stats = window.stop(calls=5)
+    assert not profiler_active()
+    assert stats is not None
+    assert stats.lookups == 5 and len(stats.pregraph_durations_us) == 5
+    assert stats.guard_us > 0 and stats.guard_us_per_call is not None
+    assert stats.cost_us > 0 and stats.as_dict()["lookups"] == 5
+    assert window.stop() is None  # not started
+
+
+def test_lookup_window_stays_out_of_another_profiler() -> None:
+    window = LookupWindow()
+    with torch.autograd.profiler.profile(use_cpu=True):
+        assert window.start() is False
+        assert window.stop() is None
+    assert not profiler_active()
+
+
+def test_callback_cost_runs_in_the_steady_state() -> None:
+    data = bench.callback_cost(iterations=200, repeats=2, profile=False)
+    assert data["steady"] is True
+    us = data["us_per_step"]
+    assert set(us) >= {"hooks (on_train_batch_start + on_train_batch_end)", "batch_signature"}
+    assert all(v > 0 for v in us.values())
+
+
+def test_plot_writes_a_png(tiny_run: tuple[dict[str, Any], str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    data, _ = tiny_run
+    path = tmp_path / "bench.png"
+    bench.plot(data, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
