@@ -301,6 +301,10 @@ class GuardTuneCallback(Callback):
         self._rank: int | None = None
         self._all_rearms: list[dict[str, Any]] | None = None
         self._entered_together = False
+        self._next_check = 0
+        self._changes = 0
+        """Counts compiles, re-arms and entries: the logger is called only when it moved."""
+        self._logged_changes = -1
         self._audit_batch = False
         self._verify_batch = False
         self._guard_collectives_prev: bool | None = None
@@ -518,6 +522,7 @@ class GuardTuneCallback(Callback):
         return flag
 
     def _rearm(self, loop: str | None, reason: str) -> None:
+        self._changes += 1
         self._set_stance(False)
         self._machine.rearm(loop, step=self._train_batches(), reason=reason, rank=self._rank)
 
@@ -529,6 +534,7 @@ class GuardTuneCallback(Callback):
         self._rearm(None, f"{label}: {reason}; recompiling")
 
     def _on_compile(self, target: CompiledTarget, reason: str | None) -> None:
+        self._changes += 1
         self._monitor.record(self._train_batches(), target.name, reason)
 
     def _on_miss(self, target: CompiledTarget, reason: str) -> bool:
@@ -575,17 +581,23 @@ class GuardTuneCallback(Callback):
             if self._unsafe:
                 self._boundary_check(loop)
         if m.use_stance:
+            steady = m.loops[loop].phase == "steady"
             signature = batch_signature(batch)
-            if m.new_signature(loop, signature) and m.steady(loop):
+            if m.new_signature(loop, signature) and steady:
                 self._rearm(loop, f"unseen batch signature {describe_signature(signature)}")
-            elif m.steady(loop) and module.training != (loop == "train"):
+                steady = False
+            elif steady and module.training is not (loop == "train"):
                 self._rearm(loop, f"module.training is {module.training} in the {loop} loop")
-            want = m.steady(loop) and not (loop != "train" and self._trainer_sanity())
+                steady = False
             if loop == "train":
-                want = self._audit_or_verify(want)
-                self._set_guard_collectives(self._paired() and self._entered_together)
-            if want != self._stance_on:
-                self._set_stance(want)
+                if m.loops["train"].batches >= self._next_check:
+                    steady = self._audit_or_verify(steady)
+                if self.guard_collectives:
+                    self._set_guard_collectives(self._paired() and self._entered_together)
+            elif steady and self._trainer_sanity():
+                steady = False
+            if steady is not self._stance_on:
+                self._set_stance(steady)
         self._compiles_at_batch = self._monitor.compiles
 
     def _audit_or_verify(self, steady: bool) -> bool:
@@ -594,6 +606,11 @@ class GuardTuneCallback(Callback):
         Both are due by the training batch count, the same on every rank.
         """
         batches = self._machine.loops["train"].batches
+        self._next_check = min(
+            (batches // every + 1) * every
+            for every in (self.audit_every, self.verify_every, 1 << 62)
+            if every is not None
+        )
         if batches == 0:
             return steady
         if self.audit_every is not None and batches % self.audit_every == 0:
@@ -638,15 +655,20 @@ class GuardTuneCallback(Callback):
             return
         compiled = self._monitor.compiles != self._compiles_at_batch
         m = self._machine
-        if loop == "train":
+        if self._audit_batch or self._verify_batch:
             self._end_audit_or_verify(compiled)
         m.batch_done(loop, compiled)
         if compiled:
             self._after_compile()
-        if loop == "train" and m.use_stance and m.is_decision_point(loop):
-            self._decide(loop)
         if loop == "train":
-            self._log_changes()
+            if (
+                m.use_stance
+                and (m.collective or m.loops["train"].phase != "steady")
+                and m.is_decision_point(loop)
+            ):
+                self._decide(loop)
+            if self._logged_changes != self._changes:
+                self._log_changes()
 
     def _loop_end(self, loop: str, complete: bool) -> None:
         if not self._active:
@@ -677,8 +699,10 @@ class GuardTuneCallback(Callback):
         if m.collective and vote and loop == "train":
             self._entered_together = True
         if ready and blocker is None and vote:
+            self._changes += 1
             m.enter(loop)
         elif blocker is not None and self._stance_blocked is None:
+            self._changes += 1
             self._stance_blocked = blocker
             rank_zero_warn(f"guardtrain: the stance stays off: {blocker}.")
 
@@ -729,6 +753,7 @@ class GuardTuneCallback(Callback):
     # -- logging -------------------------------------------------------------------------------
 
     def _log_changes(self) -> None:
+        self._logged_changes = self._changes
         trainer = self._trainer
         if not self.log_metrics or trainer is None or not trainer.loggers:
             return

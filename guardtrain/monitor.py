@@ -44,6 +44,12 @@ def batch_signature(batch: Any) -> Any:
     Containers (tuple, list, dict) keep their structure; other leaves count by
     type only. This is the per-batch check: about 1 µs for a two-tensor batch.
     """
+    cls = type(batch)
+    if cls is tuple or cls is list:  # the common case: a flat tuple or list of tensors
+        try:
+            return (cls, tuple([(t.shape, t.dtype, t.device) for t in batch]))
+        except AttributeError:
+            pass
     if isinstance(batch, torch.Tensor):
         return (batch.shape, batch.dtype, batch.device)
     if isinstance(batch, (tuple, list)):

@@ -56,6 +56,8 @@ class LoopState:
     pass_compiled: bool = False
     signatures: set[Any] = field(default_factory=set)
     """Batch signatures seen with full guards."""
+    last_signature: Any = None
+    """The previous batch's signature (most batches repeat it: no set lookup then)."""
 
 
 class PhaseMachine:
@@ -93,7 +95,7 @@ class PhaseMachine:
         state = self.loops[loop]
         state.batches += 1
         if loop == "train":
-            if self.steady("train"):
+            if self.use_stance and state.phase == "steady":
                 self.steady_steps += 1
             else:
                 self.warmup_steps_taken += 1
@@ -152,6 +154,7 @@ class PhaseMachine:
             state.clean_pass = False
             if loop is None:  # every compiled entry is gone: signatures must be seen again
                 state.signatures.clear()
+                state.last_signature = None
         record: dict[str, Any] = {"step": int(step), "reason": reason}
         if loop is not None:
             record["loop"] = loop
@@ -161,8 +164,11 @@ class PhaseMachine:
 
     def new_signature(self, loop: str, signature: Any) -> bool:
         """Remember a batch signature; True when it was not seen before."""
-        seen = self.loops[loop].signatures
-        if signature in seen:
+        state = self.loops[loop]
+        if signature == state.last_signature:
             return False
-        seen.add(signature)
+        state.last_signature = signature
+        if signature in state.signatures:
+            return False
+        state.signatures.add(signature)
         return True
