@@ -473,3 +473,26 @@ def test_eval_call_between_steady_steps_leaves_the_stance() -> None:
         assert torch.equal(got, ref)
     reasons = [r["reason"] for r in cb.summary()["rearms"]]
     assert any("module.training changed to False" in r for r in reasons), reasons
+
+
+def test_lookup_is_measured_and_logged(tmp_path: Any) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="run")
+    cb = guard()
+    compare(TinyModule, lambda: cb, logger=logger)  # measuring changes no result
+    logger.save()
+    lookup = cb.summary()["lookup_us"]
+    assert set(lookup) == {"full_guards", "steady", "saving"}
+    assert lookup["full_guards"] > 0 and lookup["steady"] > 0
+    header = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    assert "guard/lookup_us" in header
+    assert "under the stance" in cb.format_summary()
+
+
+def test_lookup_window_leaves_a_users_profiler_alone() -> None:
+    cb = guard()
+    with torch.autograd.profiler.profile():
+        fit(TinyModule(), [cb])
+    assert cb.summary()["lookup_us"] == {}
+    assert cb.summary()["steady_steps"] > 0

@@ -74,6 +74,8 @@ class GuardTuneConf:
     verify_rtol: float = 1e-4
     verify_atol: float = 1e-6
     guard_collectives: bool = False
+    measure_lookup: bool = True
+    lookup_window: int = 3
 
 
 ConfigStore.instance().store(
