@@ -18,7 +18,9 @@ quiet() { grep -v -e '^WARNING: Location' -e '^$' || true; }
 if "$py" -c "import torch" 2>/dev/null; then
     echo "setup: keeping torch $("$py" -c 'import torch; print(torch.__version__)')"
 elif "$py" -m pip install -q --no-index --no-deps "torch==${version}" 2>&1 | quiet; \
-     "$py" -c "import torch" 2>/dev/null; then
+     "$py" -m pip show -q torch >/dev/null 2>&1; then
+    # The local wheel is in; now its dependencies (the installed torch satisfies the pin).
+    "$py" -m pip install -q "torch==${version}" 2>&1 | quiet
     echo "setup: installed torch ${version} from a local wheel"
 else
     echo "setup: installing the CPU build of torch ${version} from download.pytorch.org"

@@ -280,7 +280,7 @@ def test_ddp_rank_zero_summary_lists_every_ranks_rearms(runs: Runner) -> None:
 
 def test_ddp_guard_collectives_same_weights(runs: Runner) -> None:
     """(b) guard_collectives=True: the same run; the hook is on at the same steps on both ranks,
-    from the first step of the stance (entered together) on."""
+    from the first collective entry on."""
     eager, run = runs("ddp_eager").ok(), runs("ddp_collectives").ok()
     assert_same_run(eager, run)
     assert run.rank(0)["collectives"] == run.rank(1)["collectives"]
@@ -288,7 +288,10 @@ def test_ddp_guard_collectives_same_weights(runs: Runner) -> None:
         info = run.rank(r)
         assert info["phase"] == "steady" and info["summary"]["steady_steps"] > 0
         assert "1" in info["collectives"], "guard collectives were never on"
-        assert info["collectives"].index("1") == info["stance"].index("1")
+        # On from the first collective entry (the lookup window before the stance
+        # runs with full guards), and on whenever the stance is on.
+        assert info["collectives"].index("1") <= info["stance"].index("1")
+        assert all(c == "1" for c, st in zip(info["collectives"], info["stance"]) if st == "1")
         assert not info["collectives_after_fit"], "guard collectives outlived fit"
 
 
