@@ -344,7 +344,6 @@ class Runner:
         torch.compiler.set_stance("default", skip_guard_eval_unsafe=on)
         for target in self.targets:
             target.fast = on
-            target.fast_training = target.module.training
         self._stance_on = on
 
     @contextmanager

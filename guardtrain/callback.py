@@ -21,7 +21,7 @@ from guardtrain.monitor import (
     batch_signature,
     describe_signature,
     fingerprint_change,
-    tensor_fingerprint,
+    module_fingerprint,
 )
 from guardtrain.phases import PHASE_NUMBERS, PhaseMachine
 from guardtrain.presets import GuardPreset, get_preset
@@ -122,7 +122,10 @@ class GuardTuneCallback(Callback):
             on 2 CPU processes with gloo: about +2.6 ms per call, 15x a whole call
             under the stance); targets are rebuilt on all ranks together, and a
             stance miss (on any rank) is retried with the plain ``forward``.
-        measure_lookup: when training first enters the stance, profile
+        measure_lookup: ``None`` (default): on in single-process runs, off with
+            several processes (a DDP child process once ended with "terminate
+            called without an active exception" after a run that had profiled).
+            When on: when training first enters the stance, profile
             ``lookup_window`` batches with full guards and then as many under the
             stance, and report Dynamo's guard and pre-graph µs per step for both
             (``summary()["lookup_us"]``, the logged ``guard/lookup_us``). Skipped
@@ -165,7 +168,7 @@ class GuardTuneCallback(Callback):
         verify_rtol: float = 1e-4,
         verify_atol: float = 1e-6,
         guard_collectives: bool = False,
-        measure_lookup: bool = True,
+        measure_lookup: bool | None = None,
         lookup_window: int = 3,
     ) -> None:
         base = get_preset(preset)
@@ -188,13 +191,16 @@ class GuardTuneCallback(Callback):
             ("unsafe_drop_floor", unsafe_drop_floor),
             ("log_metrics", log_metrics),
             ("guard_collectives", guard_collectives),
-            ("measure_lookup", measure_lookup),
         ):
             if not isinstance(value, bool):
                 raise GuardTrainTypeError(f"`{flag}` must be a bool, got {value!r}.")
         self.unsafe_drop_floor = unsafe_drop_floor
         self.log_metrics = log_metrics
         self.guard_collectives = guard_collectives
+        if measure_lookup is not None and not isinstance(measure_lookup, bool):
+            raise GuardTrainTypeError(
+                f"`measure_lookup` must be a bool or None, got {measure_lookup!r}."
+            )
         self.measure_lookup = measure_lookup
         window = _every("lookup_window", lookup_window)
         if window is None:
@@ -333,7 +339,6 @@ class GuardTuneCallback(Callback):
         self._guard_collectives_prev: bool | None = None
         self._active = False
         self._summary_logged = False
-        self._unsafe = False
         self._ift = s.install_free_tensors
         self._dict_tags = s.recursive_dict_tags
         self._use_stance = s.use_stance
@@ -411,11 +416,6 @@ class GuardTuneCallback(Callback):
         if resolved is not None and not self.unsafe_drop_floor:
             resolved = _filters.with_floor(resolved)
         self._resolved_filter = resolved
-        self._unsafe = (
-            self._ift
-            or self._use_stance
-            or (resolved is not None and resolved is not _filters.keep_all)
-        )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._activate(trainer, pl_module)
@@ -517,7 +517,6 @@ class GuardTuneCallback(Callback):
         )
         for target in self._targets:
             target.fast = on
-            target.fast_training = target.module.training
         self._stance_on = on
 
     def _set_guard_collectives(self, on: bool) -> None:
@@ -604,8 +603,7 @@ class GuardTuneCallback(Callback):
         self._loop = loop
         if loop in self._pending:
             self._pending.discard(loop)
-            if self._unsafe:
-                self._boundary_check(loop)
+            self._boundary_check(loop)
         if m.use_stance:
             steady = m.loops[loop].phase == "steady"
             signature = batch_signature(batch)
@@ -774,7 +772,8 @@ class GuardTuneCallback(Callback):
         if ready and blocker is None and vote:
             self._changes += 1
             m.enter(loop)
-            if loop == "train" and self.measure_lookup and "steady" not in self._lookup:
+            measure = self.measure_lookup if self.measure_lookup is not None else not m.collective
+            if loop == "train" and measure and "steady" not in self._lookup:
                 self._measure, self._measure_left = "full", self.lookup_window
         elif blocker is not None and self._stance_blocked is None:
             self._changes += 1
@@ -789,19 +788,22 @@ class GuardTuneCallback(Callback):
     def _after_compile(self) -> None:
         """Once per batch that compiled: fingerprints, and no free tensors across graph breaks."""
         for target in self._targets:
-            if target.graph_breaks and target.install_free_tensors:
-                # A graph break compiles the module's own `forward`, whose code
-                # other instances share: install_free_tensors there is H12.
+            if target.graph_breaks and (target.install_free_tensors or target.drops_guards):
+                # The frames after a graph break run the module's own `forward`,
+                # whose code other instances share (install_free_tensors there is
+                # H12), and their guards name the frame's locals, which the
+                # boundary re-check cannot evaluate: keep every guard there.
                 label = target.name or "<LightningModule>"
                 target.install_free_tensors = False
+                target.drops_guards = False
                 self._switch_off(
-                    f"install_free_tensors for {label!r}",
-                    "it has graph breaks, and the frames after a break run code shared by "
-                    "every instance of its class",
+                    f"install_free_tensors and the guard filter for {label!r}",
+                    "it has graph breaks: the frames after a break run code shared by every "
+                    "instance of its class, and their dropped guards cannot be re-checked",
                 )
-                self._rebuild(target, "graph breaks: no install_free_tensors")
+                self._rebuild(target, "graph breaks: full guards, no install_free_tensors")
             elif id(target) not in self._references:
-                self._references[id(target)] = tensor_fingerprint(target.module)
+                self._references[id(target)] = module_fingerprint(target.module)
 
     def _boundary_check(self, loop: str) -> None:
         rebuild: list[tuple[CompiledTarget, str]] = []
@@ -810,7 +812,7 @@ class GuardTuneCallback(Callback):
             reference = self._references.get(id(target))
             change = None
             if reference is not None:
-                change = fingerprint_change(reference, tensor_fingerprint(target.module))
+                change = fingerprint_change(reference, module_fingerprint(target.module))
             stale, unmatched = target.check_assertions()
             if change is None and stale is not None:
                 change = f"{stale} (a guard that was dropped or skipped)"

@@ -265,8 +265,13 @@ class CompiledTarget:
         self.install_free_tensors = install_free_tensors
         self.fast = False
         """True while the unsafe stance is on: calls skip the config patch."""
-        self.fast_training = module.training
-        """The module's ``training`` flag when the stance was entered (checked per call)."""
+        self.modes: set[tuple[bool, bool, bool]] = set()
+        """``(training, grad enabled, autocast on)`` of every compile: under the stance a
+        call in another mode is a miss. The stance skips ``training`` guards (H1) and
+        would pick an entry by grad mode alone."""
+        self.drops_guards = guard_filter is not None and guard_filter is not keep_all
+        """Whether the installed filter drops guards; turned off (keep all) by the
+        callback for a target with graph breaks."""
         self.retry_eagerly = False
         """Retry a stance miss with the plain ``forward``: with guard collectives the miss
         may be another rank's, and a second compiled call here would issue a collective
@@ -296,8 +301,9 @@ class CompiledTarget:
         """Compile a fresh private code object: every entry of the old one is forgotten.
 
         Code objects other than the private one that were compiled for this
-        target (the module's own ``forward`` after a graph break) are shared
-        with other instances of the class; their entries are dropped too.
+        target (the module's own ``forward`` and its resume functions after a
+        graph break) are shared with other instances of the class; their
+        entries are dropped too (``torch._dynamo.reset_code``).
         """
         reset_code = getattr(torch._dynamo, "reset_code", None)
         for code in self._shared_codes:
@@ -306,7 +312,10 @@ class CompiledTarget:
         self._shared_codes = set()
         self.code = _trampoline_code()
         self.assertions = []
+        self.modes = set()
         self.graph_breaks = False
+        if not self.drops_guards:
+            self._filter = keep_all
         fn = types.FunctionType(
             self.code, globals(), _TRAMPOLINE_NAME, None, (types.CellType(self._bound),)
         )
@@ -314,11 +323,13 @@ class CompiledTarget:
 
     def _track(self, entries: Sequence[Any]) -> list[bool]:
         keep = [bool(k) for k in self._filter(entries)]
+        self.modes.add(_mode(self.module))
         code, reason = _compiling_frame()
         if code is not None and code is not self.code:
+            # A graph break: this frame is the module's own `forward` or a resume
+            # function of it, code shared with every instance of the class.
             self.graph_breaks = True
-            if not code.co_name.startswith("torch_dynamo_resume_in_"):
-                self._shared_codes.add(code)
+            self._shared_codes.add(code)
         self.compiles += 1
         prefix = _CLOSURE_NAME
         recorded = []
@@ -394,7 +405,8 @@ class CompiledTarget:
         @functools.wraps(self._func)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if target.fast:
-                if module.training is target.fast_training:
+                mode = (module.training, is_grad_enabled(), any_autocast())
+                if mode in target.modes:
                     try:
                         return target.compiled(*args, **kwargs)
                     except RuntimeError as err:
@@ -402,13 +414,12 @@ class CompiledTarget:
                             raise
                         if target.retry_eagerly:
                             return target._bound(*args, **kwargs)
-                else:  # the stance does not check `training` (H1): leave it first
-                    target._on_miss(target, f"module.training changed to {module.training}")
-            ift = target.install_free_tensors
-            previous = cfg.install_free_tensors
-            if previous is ift:
+                else:  # the stance would pick an entry compiled for another mode
+                    target._on_miss(target, _describe_mode(mode))
+            if not target.install_free_tensors:
                 return target.compiled(*args, **kwargs)
-            cfg.install_free_tensors = ift
+            previous = cfg.install_free_tensors
+            cfg.install_free_tensors = True
             try:
                 return target.compiled(*args, **kwargs)
             finally:
@@ -479,6 +490,24 @@ class CompiledTarget:
             self.module.__dict__["forward"] = self._previous
         self.fast = False
         self.compiled = None  # type: ignore[assignment]
+
+
+is_grad_enabled = torch.is_grad_enabled
+any_autocast: Callable[[], bool] = getattr(
+    torch._C, "_is_any_autocast_enabled", lambda: torch.is_autocast_enabled()
+)
+
+
+def _mode(module: nn.Module) -> tuple[bool, bool, bool]:
+    return (module.training, is_grad_enabled(), any_autocast())
+
+
+def _describe_mode(mode: tuple[bool, bool, bool]) -> str:
+    training, grad, autocast = mode
+    return (
+        f"a call with training={training}, grad enabled={grad}, autocast={autocast}, "
+        "a combination not compiled with full guards"
+    )
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:

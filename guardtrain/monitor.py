@@ -17,7 +17,7 @@ from torch import nn
 __all__ = [
     "CompileMonitor",
     "batch_signature",
-    "tensor_fingerprint",
+    "module_fingerprint",
     "fingerprint_change",
 ]
 
@@ -78,13 +78,30 @@ def describe_signature(signature: Any) -> str:
     return repr(signature)
 
 
-def tensor_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
-    """Identity, ``requires_grad``, dtype, device and shape of every parameter and buffer.
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+)
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
 
-    Run at loop and epoch boundaries (it walks the module): ``install_free_tensors``
-    freezes tensor identity (H3) and nn-module guard filters drop
-    ``requires_grad`` checks (H2), so this is how a replaced parameter, an
-    unfrozen backbone or a dtype/device move is seen.
+
+def module_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
+    """What guards assume about a module and that a dropped guard would not see.
+
+    Identity, ``requires_grad``, dtype, device and shape of every parameter and
+    buffer, and the hook functions of every submodule and the global module
+    hooks. Run at loop and epoch boundaries (it walks the module):
+    ``install_free_tensors`` freezes tensor identity (H3), nn-module guard
+    filters drop ``requires_grad`` and hook guards (H2), and Dynamo does not
+    enforce hook guards by default (``skip_nnmodule_hook_guards``).
     """
     rows: list[tuple[Any, ...]] = []
     for kind, items in (
@@ -93,11 +110,22 @@ def tensor_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
     ):
         for name, t in items:
             rows.append((kind, name, id(t), t.requires_grad, t.dtype, t.device, tuple(t.shape)))
+    for name, sub in module.named_modules():
+        hooks = tuple(tuple(id(h) for h in getattr(sub, attr, {}).values()) for attr in _HOOK_DICTS)
+        if any(hooks):
+            rows.append(("hooks", name or "<root>", hooks))
+    from torch.nn.modules import module as module_module
+
+    global_hooks = tuple(
+        tuple(id(h) for h in getattr(module_module, attr, {}).values()) for attr in _GLOBAL_HOOKS
+    )
+    if any(global_hooks):
+        rows.append(("hooks", "<global module hooks>", global_hooks))
     return tuple(rows)
 
 
 def fingerprint_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None:
-    """Describe the first difference between two :func:`tensor_fingerprint` values."""
+    """Describe the first difference between two :func:`module_fingerprint` values."""
     if old == new:
         return None
     old_by_name = {(r[0], r[1]): r for r in old}
@@ -105,6 +133,10 @@ def fingerprint_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None
     for key, row in new_by_name.items():
         before = old_by_name.get(key)
         kind, name = key
+        if kind == "hooks":
+            if before != row:
+                return f"hooks of {name!r} changed"
+            continue
         if before is None:
             return f"{kind} {name!r} was added"
         if before[2] != row[2]:
@@ -119,5 +151,7 @@ def fingerprint_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None
             return f"shape of {kind} {name!r} changed {before[6]} -> {row[6]}"
     for key in old_by_name:
         if key not in new_by_name:
+            if key[0] == "hooks":
+                return f"hooks of {key[1]!r} were removed"
             return f"{key[0]} {key[1]!r} was removed"
     return "parameters or buffers were reordered"

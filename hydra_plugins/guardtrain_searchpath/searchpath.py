@@ -74,7 +74,7 @@ class GuardTuneConf:
     verify_rtol: float = 1e-4
     verify_atol: float = 1e-6
     guard_collectives: bool = False
-    measure_lookup: bool = True
+    measure_lookup: bool | None = None
     lookup_window: int = 3
 
 

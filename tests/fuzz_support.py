@@ -1,0 +1,470 @@
+"""Differential fuzzing support: a tiny network driven through a plan of events in a real Trainer.
+
+A :class:`Scenario` is a preset plus epochs of planned training batches; each
+step carries events (train/eval, freezing, parameter replacement, module
+attributes, hooks, autocast, grad mode, dtype, ``torch._dynamo.reset()`` ...).
+:func:`run_scenario` fits a :class:`FuzzModule` with ``GuardTuneCallback``
+first and a :class:`Driver` callback second, so that:
+
+* an event placed ``"epoch"`` is applied in ``Driver.on_train_epoch_start``
+  (after the guard's epoch-start hook, before its first batch hook: a
+  boundary, where the contract promises detection of every change);
+* an event placed ``"batch"`` is applied in ``Driver.on_train_batch_start``,
+  i.e. *after* the guard's per-batch check of that batch (mid-epoch).
+
+Every forward through the compiled network (training and validation) is
+compared with the plain uncompiled forward ``type(net).forward(net, x)`` on
+the same state, the same RNG seed, grad mode and autocast: output bitwise,
+``requires_grad``, gradients of every trainable parameter, and the buffers
+the call wrote (BatchNorm running stats). Buffers are put back between the
+two calls, so each forward sees the state an uncompiled run would.
+
+The outcome of a call is one of: equal; a ``GuardTrainError`` (a documented,
+clear error: recorded); the same exception type in both (recorded); or a
+:class:`Divergence`. A divergence right after an event that the contract
+checks only at boundaries, applied mid-epoch, is recorded as *tolerated*
+until the next loop or epoch boundary (README, "Known limits"); any other
+divergence, and every crash, fails the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from guardtrain import GuardTrainError, GuardTuneCallback
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*configure_optimizers.*")
+warnings.filterwarnings("ignore", ".*is an iterable.*")
+warnings.filterwarnings("ignore", ".*recompile_limit.*")
+warnings.filterwarnings("ignore", ".*guardtrain: .*")
+logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
+
+PRESETS = ("off", "safe", "balanced", "aggressive")
+
+#: Events whose change the callback promises to see on every batch / in every call.
+ANYWHERE = ("train_eval", "inplace", "autocast", "no_grad", "reset")
+#: Events the callback checks only at loop and epoch boundaries (README, section 4).
+#: ``dtype`` converts the network (its buffers are replaced by new tensor objects) and
+#: switches the batches to that dtype from the same step on.
+BOUNDARY = (
+    "dtype",
+    "freeze",
+    "replace_attr",
+    "replace_assign",
+    "scale",
+    "dropout_p",
+    "bn_momentum",
+    "hook",
+    "sub_eval",
+)
+KINDS = ANYWHERE + BOUNDARY
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    where: str = "epoch"  # "epoch" (boundary) or "batch" (mid-epoch, after the guard's check)
+    arg: Any = None
+
+    def __str__(self) -> str:
+        arg = "" if self.arg is None else f"={self.arg!r}"
+        return f"{self.kind}{arg}@{self.where}"
+
+
+@dataclass(frozen=True)
+class Step:
+    batch_size: int
+    events: tuple[Event, ...] = ()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    preset: str
+    epochs: tuple[tuple[Step, ...], ...]
+    warmup_steps: int = 2
+    stable_steps: int = 1
+    sanity_steps: int = 0
+    val_sizes: tuple[int, ...] = (3,)
+    audit_every: int | None = None
+    guard_kwargs: tuple[tuple[str, Any], ...] = ()
+    """More GuardTuneCallback arguments, e.g. ``(("measure_lookup", False),)``."""
+
+    def describe(self) -> str:
+        lines = [
+            f"Scenario(preset={self.preset!r}, warmup_steps={self.warmup_steps}, "
+            f"stable_steps={self.stable_steps}, sanity_steps={self.sanity_steps}, "
+            f"val_sizes={self.val_sizes}, audit_every={self.audit_every}, "
+            f"guard_kwargs={dict(self.guard_kwargs)})"
+        ]
+        for e, steps in enumerate(self.epochs):
+            for i, s in enumerate(steps):
+                ev = ", ".join(str(x) for x in s.events)
+                lines.append(f"  epoch {e} batch {i}: bs={s.batch_size} {ev}")
+        return "\n".join(lines)
+
+
+class Net(nn.Module):
+    """Linear -> BatchNorm -> ReLU -> Dropout -> Linear, times a float ``scale``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.25)
+        self.lin2 = nn.Linear(8, 3)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.relu(self.bn(self.lin1(x))))
+        return self.lin2(h) * self.scale
+
+
+class Divergence(AssertionError):
+    """The compiled network gave another result than the uncompiled one."""
+
+
+@dataclass
+class Record:
+    """What happened in one run."""
+
+    calls: int = 0
+    checked: int = 0
+    tolerated: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    history: list[str] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
+    stance_at_events: list[bool] = field(default_factory=list)
+
+
+def _add_one(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output + 1.0
+
+
+class FuzzModule(L.LightningModule):
+    """Compares every compiled forward with the uncompiled one; never steps an optimizer."""
+
+    def __init__(self, record: Record) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = Net()
+        self.record = record
+        self.use_autocast = False
+        self.use_no_grad = False
+        self.hook: Any = None
+        self.tainted: str | None = None
+        """Set while a boundary-only event applied mid-epoch is not yet at a boundary."""
+        self.guard: GuardTuneCallback | None = None
+
+    def configure_optimizers(self) -> Any:
+        return None
+
+    def _context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.use_no_grad:
+            stack.enter_context(torch.no_grad())
+        if self.use_autocast:
+            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        return stack
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.check("train", batch[0])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x = batch[0].to(self.net.lin1.weight.dtype)
+        self.check("validate", x)
+
+    # -- the comparison ---------------------------------------------------------------------
+
+    def check(self, loop: str, x: torch.Tensor) -> None:
+        rec = self.record
+        rec.calls += 1
+        seed = 1000 + rec.calls
+        net = self.net
+        if self.guard is not None:
+            rec.phases.append(self.guard._machine.phase(loop) if self.guard._active else "-")
+        buffers = list(net.buffers())
+        before = [b.detach().clone() for b in buffers]
+        where = f"call {rec.calls} ({loop}, training={net.training}, x={tuple(x.shape)} {x.dtype})"
+
+        compiled: tuple[torch.Tensor, Any, list[torch.Tensor]] | None = None
+        compiled_err: BaseException | None = None
+        torch.manual_seed(seed)
+        try:
+            with self._context():
+                out = net(x)
+            compiled = (out, self._grads(out), [b.detach().clone() for b in buffers])
+        except GuardTrainError as err:  # documented, clear error
+            rec.errors.append(f"{where}: {type(err).__name__}: {err}")
+            self._put_back(buffers, before)
+            return
+        except Exception as err:
+            compiled_err = err
+        self._put_back(buffers, before)
+
+        torch.manual_seed(seed)
+        try:
+            with self._context():
+                ref = type(net).forward(net, x)
+            eager = (ref, self._grads(ref), [b.detach().clone() for b in buffers])
+        except Exception as err:
+            if compiled_err is not None and type(compiled_err) is type(err):
+                rec.errors.append(f"{where}: both raised {type(err).__name__}")
+                return
+            raise Divergence(
+                f"{where}: eager raised {type(err).__name__}: {err}, compiled did not"
+            ) from err
+        if compiled_err is not None:
+            raise Divergence(
+                f"{where}: compiled call crashed ({type(compiled_err).__name__}: "
+                f"{compiled_err}); eager did not\n" + self._context_text()
+            ) from compiled_err
+        assert compiled is not None
+        problem = self._difference(compiled, eager)
+        if problem is None:
+            rec.checked += 1
+            return
+        if self.tainted is not None:
+            rec.tolerated.append(f"{where} after {self.tainted}: {problem}")
+            return
+        raise Divergence(f"{where}: {problem}\n" + self._context_text())
+
+    def _grads(self, out: torch.Tensor) -> Any:
+        """Gradients of every trainable parameter (None where unused), or None without a graph."""
+        if not out.requires_grad:
+            return None
+        params = [p for p in self.net.parameters() if p.requires_grad]
+        return torch.autograd.grad(out.float().sum(), params, allow_unused=True)
+
+    @staticmethod
+    def _put_back(buffers: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for b, v in zip(buffers, values):
+                if b.shape == v.shape and b.dtype == v.dtype:
+                    b.copy_(v)
+
+    @staticmethod
+    def _difference(compiled: Any, eager: Any) -> str | None:
+        out, g_out, buf_out = compiled
+        ref, g_ref, buf_ref = eager
+        if out.dtype != ref.dtype or out.shape != ref.shape:
+            return f"output {out.dtype} {tuple(out.shape)} vs eager {ref.dtype} {tuple(ref.shape)}"
+        if out.requires_grad != ref.requires_grad:
+            return f"output requires_grad {out.requires_grad} vs eager {ref.requires_grad}"
+        if not torch.equal(out, ref):
+            diff = (out.double() - ref.double()).abs().max().item()
+            return f"output differs from eager (max abs diff {diff:.3g})"
+        for i, (a, b) in enumerate(zip(buf_out, buf_ref)):
+            if a.dtype != b.dtype or not torch.equal(a, b):
+                return f"buffer {i} written by the call differs from eager"
+        if g_ref is not None:
+            if g_out is None or len(g_out) != len(g_ref):
+                return "gradients differ from eager"
+            for i, (a, b) in enumerate(zip(g_out, g_ref)):
+                if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+                    return f"gradient of trainable parameter {i} differs from eager"
+        return None
+
+    def _context_text(self) -> str:
+        lines = ["events so far:", *("  " + h for h in self.record.history[-25:])]
+        if self.guard is not None:
+            s = self.guard.summary()
+            lines.append(f"guard phase={s['phase']} phases={s['phases']}")
+            lines.extend(f"  rearm step {r['step']}: {r['reason']}" for r in s["rearms"][-10:])
+            lines.extend(
+                f"  compile step {c['step']}: {c['reason']}" for c in s["compile_events"][-10:]
+            )
+        return "\n".join(lines)
+
+    # -- events -----------------------------------------------------------------------------
+
+    def apply(self, event: Event, label: str) -> None:
+        net = self.net
+        kind = event.kind
+        if kind == "train_eval":
+            self.train(not self.training)
+        elif kind == "sub_eval":
+            net.bn.train(not net.bn.training)
+        elif kind == "freeze":
+            for p in getattr(net, event.arg).parameters():
+                p.requires_grad_(not p.requires_grad)
+        elif kind == "replace_attr":
+            old = net.lin2.weight
+            net.lin2.weight = nn.Parameter(old.detach() * 0.5 + 0.05, old.requires_grad)
+        elif kind == "replace_assign":
+            sub = getattr(net, event.arg)
+            new = {k: v.detach().clone() + 0.125 for k, v in sub.state_dict().items()}
+            if "num_batches_tracked" in new:
+                new["num_batches_tracked"] = sub.num_batches_tracked.detach().clone()
+            sub.load_state_dict(new, assign=True)
+        elif kind == "inplace":
+            with torch.no_grad():
+                for i, p in enumerate(net.parameters()):
+                    p.add_(0.01 * (i + 1))
+        elif kind == "dtype":
+            net.to(event.arg)
+        elif kind == "autocast":
+            self.use_autocast = not self.use_autocast
+        elif kind == "no_grad":
+            self.use_no_grad = not self.use_no_grad
+        elif kind == "scale":
+            net.scale = event.arg
+        elif kind == "dropout_p":
+            net.drop.p = event.arg
+        elif kind == "bn_momentum":
+            net.bn.momentum = event.arg
+        elif kind == "hook":
+            if self.hook is None:
+                self.hook = getattr(net, event.arg or "lin2").register_forward_hook(_add_one)
+            else:
+                self.hook.remove()
+                self.hook = None
+        elif kind == "reset":
+            torch._dynamo.reset()
+        else:  # pragma: no cover
+            raise ValueError(kind)
+        stance = bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+        self.record.stance_at_events.append(stance)
+        self.record.history.append(f"{label}: {event}" + (" (stance on)" if stance else ""))
+        if event.where == "batch" and kind in BOUNDARY:
+            self.tainted = f"{event} at {label}"
+
+
+class Driver(L.Callback):
+    """Applies the planned events; placed after GuardTuneCallback in ``callbacks``."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+
+    def _events(self, epoch: int, batch_idx: int, where: str) -> list[Event]:
+        steps = self.scenario.epochs[epoch]
+        if batch_idx >= len(steps):
+            return []
+        return [e for e in steps[batch_idx].events if e.where == where]
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        pl_module.tainted = None  # a boundary: the guard checks before the first batch
+        for event in self._events(trainer.current_epoch, 0, "epoch"):
+            pl_module.apply(event, f"epoch {trainer.current_epoch} start")
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        for event in self._events(trainer.current_epoch, batch_idx, "batch"):
+            pl_module.apply(event, f"epoch {trainer.current_epoch} batch {batch_idx}")
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        pl_module.tainted = None  # a loop boundary
+
+
+def plan_batches(scenario: Scenario) -> list[list[torch.Tensor]]:
+    """The training inputs of every epoch: shapes from the plan, dtype from `dtype` events."""
+    g = torch.Generator().manual_seed(7)
+    dtype = torch.float32
+    plan: list[list[torch.Tensor]] = []
+    for steps in scenario.epochs:
+        epoch: list[torch.Tensor] = []
+        for step in steps:
+            for e in step.events:
+                if e.kind == "dtype":
+                    dtype = e.arg
+            epoch.append(torch.randn(step.batch_size, 4, generator=g).to(dtype))
+        plan.append(epoch)
+    return plan
+
+
+class PlannedLoader:
+    """An iterable of the planned batches of ``trainer.current_epoch`` (read lazily)."""
+
+    def __init__(self, plan: list[list[torch.Tensor]], per_epoch: int) -> None:
+        self.plan = plan
+        self.per_epoch = per_epoch
+        self.trainer: L.Trainer | None = None
+
+    def __len__(self) -> int:
+        return self.per_epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor]]:
+        assert self.trainer is not None
+        for x in self.plan[self.trainer.current_epoch]:
+            yield (x,)
+
+
+class ListLoader:
+    """A fixed list of batches as one iterable (a plain list would be several loaders)."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor]]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor]]:
+        return iter(self.batches)
+
+
+def val_batches(sizes: Sequence[int]) -> ListLoader:
+    g = torch.Generator().manual_seed(11)
+    return ListLoader([(torch.randn(n, 4, generator=g),) for n in sizes])
+
+
+def make_guard(scenario: Scenario, **kwargs: Any) -> GuardTuneCallback:
+    kwargs.setdefault("warmup_steps", scenario.warmup_steps)
+    kwargs.setdefault("stable_steps", scenario.stable_steps)
+    kwargs.setdefault("compile_kwargs", {"backend": "eager"})
+    kwargs.setdefault("audit_every", scenario.audit_every)
+    for key, value in scenario.guard_kwargs:
+        kwargs.setdefault(key, value)
+    return GuardTuneCallback(scenario.preset, **kwargs)
+
+
+def run_scenario(
+    scenario: Scenario, **guard_kwargs: Any
+) -> tuple[Record, GuardTuneCallback, FuzzModule]:
+    """Fit the planned scenario; raise :class:`Divergence` on a silent wrong result."""
+    torch._dynamo.reset()
+    torch.compiler.set_stance("default")
+    L.seed_everything(0, verbose=False)
+    per_epoch = len(scenario.epochs[0])
+    assert all(len(e) == per_epoch for e in scenario.epochs), "same batches per epoch"
+    record = Record()
+    model = FuzzModule(record)
+    guard = make_guard(scenario, **guard_kwargs)
+    model.guard = guard
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=len(scenario.epochs),
+        num_sanity_val_steps=scenario.sanity_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[guard, Driver(scenario)],
+    )
+    loader = PlannedLoader(plan_batches(scenario), per_epoch)
+    loader.trainer = trainer
+    trainer.fit(model, loader, val_batches(scenario.val_sizes) if scenario.val_sizes else None)
+    expected = len(scenario.epochs) * per_epoch
+    assert guard._train_batches() == expected, (guard._train_batches(), expected)
+    return record, guard, model
+
+
+def assert_clean(model: nn.Module | None = None) -> None:
+    """The callback left no trace (stance, Dynamo config, compiled forwards)."""
+    assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False
+    assert torch._dynamo.config.install_free_tensors is False
+    assert torch._dynamo.config.use_recursive_dict_tags_for_guards is False
+    if model is not None:
+        for name, module in model.named_modules():
+            assert "forward" not in module.__dict__, f"{name or 'root'} kept a compiled forward"
