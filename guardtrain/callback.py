@@ -774,7 +774,8 @@ class GuardTuneCallback(Callback):
             self._changes += 1
             m.enter(loop)
             measure = self.measure_lookup if self.measure_lookup is not None else not m.collective
-            if loop == "train" and measure and "steady" not in self._lookup:
+            # Not with paired calls: the window's batches would shift this rank's audits.
+            if loop == "train" and measure and not self._paired() and "steady" not in self._lookup:
                 self._measure, self._measure_left = "full", self.lookup_window
         elif blocker is not None and self._stance_blocked is None:
             self._changes += 1
