@@ -62,21 +62,24 @@ class GuardTuneCallback(Callback):
 
     What is checked when:
 
-    * **every batch** (about 1-2 µs): the batch signature (shapes, dtypes and
-      devices of the batch's tensors) against those seen with full guards, and
-      the ``training`` flag of each target. An unseen signature leaves the stance
-      *before* the step runs.
+    * **every batch** (the whole steady-state hook work: about 2.7 µs): the batch
+      signature (shapes, dtypes and devices of the batch's tensors) against those
+      seen with full guards, and the LightningModule's ``training`` flag. An
+      unseen signature leaves the stance *before* the step runs.
     * **at loop and epoch boundaries** (in the first batch-start hook of the loop,
-      after every other callback's epoch-start hook): identity, ``requires_grad``,
-      dtype, device and shape of every parameter and buffer of each target, and
+      after every other callback's epoch-start hook), and every ``audit_every``
+      batches: identity, ``requires_grad``, dtype, device and shape of every
+      parameter and buffer of each target, the hooks of every submodule, and
       every constant, identity, type and hook guard Dynamo built on module
       attributes (``dropout.p``, BatchNorm ``momentum``, a float read in
       ``forward``). A change a dropped guard would have caught rebuilds the target
       (the next call recompiles); one the kept guards catch leaves the stance.
-    * **in each compiled call under the stance**: a cache miss (H4) leaves the
-      stance and retries the call once with full guards; Dynamo raises before the
-      frame runs, and targets with graph breaks never use the stance, so no part
-      of a step runs twice.
+    * **in each compiled call under the stance**: the call's ``(training, grad
+      mode, autocast)`` must be a combination compiled with full guards (the
+      stance does not check ``training``, H1), else the stance is left first; a
+      cache miss (H4) leaves the stance and retries the call once with full
+      guards. Dynamo raises before the frame runs, and targets with graph breaks
+      keep every guard and never use the stance, so no part of a step runs twice.
 
     Args:
         preset: ``"off"``, ``"safe"``, ``"balanced"`` or ``"aggressive"`` (see
