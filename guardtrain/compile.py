@@ -597,12 +597,13 @@ def resolve_targets(root: nn.Module, targets: Sequence[str] | None) -> list[tupl
             return [children[0]]
         return [("", root)]
     modules = dict(root.named_modules())
+    aliases = dict(root.named_modules(remove_duplicate=False))  # a module under two names
     chosen: dict[str, nn.Module] = {}
     for pattern in targets:
-        if any(ch in pattern for ch in "*?["):
+        if any(ch in pattern for ch in "*?["):  # globs see each module once, by its first name
             names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         else:
-            names = [pattern] if pattern in modules else []
+            names = [pattern] if pattern in aliases else []
         if not names:
             sample = [n for n in modules if n and n.count(".") < 2][:12]
             raise GuardTrainValueError(
@@ -610,7 +611,7 @@ def resolve_targets(root: nn.Module, targets: Sequence[str] | None) -> list[tupl
                 f"{type(root).__name__}; some names: {sample}."
             )
         for n in names:
-            chosen.setdefault(n, modules[n])
+            chosen.setdefault(n, aliases[n])
     # Outermost matches only: drop a name whose ancestor is also chosen.
     outer = {
         n: m

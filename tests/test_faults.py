@@ -371,7 +371,7 @@ def forwards(model: nn.Module) -> dict[str, Any]:
             Aliased,
             {"targets": ["net", "alias"]},
             GuardTrainValueError,
-            "'alias' matches no submodule",
+            "`targets` names the same module twice: 'net' and 'alias'",
         ),
         (WithList, {"targets": ["blocks"]}, GuardTrainValueError, "defines no `forward`"),
     ],
