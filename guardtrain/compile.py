@@ -313,6 +313,7 @@ class CompiledTarget:
         self.code = _trampoline_code()
         self.assertions = []
         self.modes = set()
+        self._root_entries = 0
         self.graph_breaks = False
         if not self.drops_guards:
             self._filter = keep_all
@@ -323,13 +324,21 @@ class CompiledTarget:
 
     def _track(self, entries: Sequence[Any]) -> list[bool]:
         keep = [bool(k) for k in self._filter(entries)]
-        self.modes.add(_mode(self.module))
         code, reason = _compiling_frame()
         if code is not None and code is not self.code:
             # A graph break: this frame is the module's own `forward` or a resume
             # function of it, code shared with every instance of the class.
             self.graph_breaks = True
             self._shared_codes.add(code)
+        elif code is self.code:
+            existing = self.cache_entries()
+            if 0 <= existing < self._root_entries:
+                # Entries we recorded are gone (torch._dynamo.reset()): so is what
+                # they asserted, and the modes they were compiled for.
+                self.modes.clear()
+                self.assertions = []
+            self._root_entries = existing + 1
+        self.modes.add(_mode(self.module))
         self.compiles += 1
         prefix = _CLOSURE_NAME
         recorded = []

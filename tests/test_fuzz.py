@@ -361,3 +361,28 @@ def test_bug_hook_removed_after_compile_keeps_running(preset: str) -> None:
     re-check. Fixed by the hook comparison at boundaries.
     """
     compare(HookedHead, lambda: guard(preset), extra=lambda: [RemoveHookAtEpoch2()])
+
+
+def test_bug_dynamo_reset_leaves_stale_modes() -> None:
+    """Found by the soak run: after ``torch._dynamo.reset()`` at an epoch start, training
+    compiled (train, grad) and (train, no_grad) entries; steady validation then passed
+    the per-call mode check with the (eval, no_grad) mode recorded *before* the reset,
+    and the stance ran the train-mode graph (dropout on) in validation. Fixed: the
+    first compile after the target's entries vanished forgets the old modes and
+    assertions."""
+    e = Event
+    scenario = Scenario(
+        "balanced",
+        (
+            (Step(2), Step(4), Step(4, (e("train_eval", "batch"), e("reset", "batch")))),
+            (Step(4), Step(4), Step(4, (e("train_eval", "batch"),))),
+            (Step(4, (e("reset", "epoch"),)), Step(4), Step(2, (e("no_grad", "batch"),))),
+            (Step(2), Step(2), Step(2)),
+        ),
+        warmup_steps=2,
+        stable_steps=1,
+        val_sizes=(2, 2),
+        audit_every=2,
+        guard_kwargs=(("measure_lookup", False),),
+    )
+    check(scenario)
