@@ -245,9 +245,9 @@ class CompiledTarget:
         guard_filter: the filter to install (floor already added), or ``None``.
         install_free_tensors: compile this target with ``install_free_tensors``.
         on_compile: called after each frame compilation of this target.
-        on_miss: called with a reason on a stance miss, or when the module's
-            ``training`` flag changed under the stance; it must leave the stance.
-            Returns True when the call may be retried with full guards.
+        on_miss: called with a reason on a stance miss, or on a call whose
+            ``(training, grad, autocast)`` mode was never compiled; it must leave
+            the stance. Returns True when the call may be retried with full guards.
     """
 
     def __init__(
