@@ -266,9 +266,14 @@ class CompiledTarget:
         self.fast = False
         """True while the unsafe stance is on: calls skip the config patch."""
         self.modes: set[tuple[bool, bool, bool]] = set()
-        """``(training, grad enabled, autocast on)`` of every compile: under the stance a
-        call in another mode is a miss. The stance skips ``training`` guards (H1) and
-        would pick an entry by grad mode alone."""
+        """``(training, grad enabled, autocast on)`` of every compile."""
+        self.fast_modes: set[tuple[bool, bool, bool]] = set()
+        """The modes a call may have under the stance: compiled, and, unless a
+        ``.training`` guard failed once (the stance evaluates guards that failed,
+        H1), the only training value compiled with that grad mode and autocast:
+        otherwise the stance picks among entries by global state and shapes and
+        cannot tell a training entry from an eval one (a validation call would run
+        the training graph)."""
         self.drops_guards = guard_filter is not None and guard_filter is not keep_all
         """Whether the installed filter drops guards; turned off (keep all) by the
         callback for a target with graph breaks."""
@@ -313,6 +318,8 @@ class CompiledTarget:
         self.code = _trampoline_code()
         self.assertions = []
         self.modes = set()
+        self.fast_modes = set()
+        self._training_failed = False
         self._root_entries = 0
         self.graph_breaks = False
         if not self.drops_guards:
@@ -337,8 +344,13 @@ class CompiledTarget:
                 # they asserted, and the modes they were compiled for.
                 self.modes.clear()
                 self.assertions = []
+                self._training_failed = False
             self._root_entries = existing + 1
+        if reason is not None and ".training" in reason:
+            # A failed `.training` guard is one the stance evaluates from now on.
+            self._training_failed = True
         self.modes.add(_mode(self.module))
+        self.fast_modes = set(self.modes) if self._training_failed else _unambiguous(self.modes)
         self.compiles += 1
         prefix = _CLOSURE_NAME
         recorded = []
@@ -415,7 +427,7 @@ class CompiledTarget:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if target.fast:
                 mode = (module.training, is_grad_enabled(), any_autocast())
-                if mode in target.modes:
+                if mode in target.fast_modes:
                     try:
                         return target.compiled(*args, **kwargs)
                     except RuntimeError as err:
@@ -423,8 +435,8 @@ class CompiledTarget:
                             raise
                         if target.retry_eagerly:
                             return target._bound(*args, **kwargs)
-                else:  # the stance would pick an entry compiled for another mode
-                    target._on_miss(target, _describe_mode(mode))
+                else:  # the stance could pick an entry compiled for another mode
+                    target._on_miss(target, _describe_mode(mode, mode in target.modes))
             if not target.install_free_tensors:
                 return target.compiled(*args, **kwargs)
             previous = cfg.install_free_tensors
@@ -511,12 +523,22 @@ def _mode(module: nn.Module) -> tuple[bool, bool, bool]:
     return (module.training, is_grad_enabled(), any_autocast())
 
 
-def _describe_mode(mode: tuple[bool, bool, bool]) -> str:
+def _describe_mode(mode: tuple[bool, bool, bool], compiled: bool) -> str:
     training, grad, autocast = mode
-    return (
-        f"a call with training={training}, grad enabled={grad}, autocast={autocast}, "
-        "a combination not compiled with full guards"
-    )
+    what = f"a call with training={training}, grad enabled={grad}, autocast={autocast}"
+    if compiled:
+        return (
+            f"{what}: entries for both training values exist under this grad mode and "
+            "autocast, and the stance cannot tell them apart"
+        )
+    return f"{what}, a combination not compiled with full guards"
+
+
+def _unambiguous(modes: set[tuple[bool, bool, bool]]) -> set[tuple[bool, bool, bool]]:
+    trainings: dict[tuple[bool, bool], set[bool]] = {}
+    for training, grad, autocast in modes:
+        trainings.setdefault((grad, autocast), set()).add(training)
+    return {m for m in modes if len(trainings[(m[1], m[2])]) == 1}
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:

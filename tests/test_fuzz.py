@@ -386,3 +386,24 @@ def test_bug_dynamo_reset_leaves_stale_modes() -> None:
         guard_kwargs=(("measure_lookup", False),),
     )
     check(scenario)
+
+
+@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+def test_bug_train_and_eval_entries_under_one_grad_mode(preset: str) -> None:
+    """Found by a second soak run: the sanity check compiled (eval, no_grad); training
+    under ``no_grad`` then compiled (train, no_grad) because of the batch size, so
+    ``.training`` never failed and never became a guard the stance evaluates. Steady
+    validation passed the mode check and ran the training graph. Fixed: a mode may
+    use the stance only when it is the one training value compiled under its grad
+    mode and autocast."""
+    e = Event
+    scenario = Scenario(
+        preset,
+        ((Step(4, (e("no_grad", "epoch"),)),), (Step(2),), (Step(2),), (Step(2),)),
+        warmup_steps=0,
+        stable_steps=1,
+        sanity_steps=1,
+        val_sizes=(2,),
+        guard_kwargs=(("measure_lookup", False),),
+    )
+    check(scenario)
