@@ -22,6 +22,16 @@ logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARN
 EAGER = {"backend": "eager"}
 
 
+def guard(preset: str = "aggressive", **kwargs: Any) -> Any:
+    """A GuardTuneCallback for tests: eager backend, a short warm-up."""
+    from guardtrain import GuardTuneCallback
+
+    kwargs.setdefault("warmup_steps", 3)
+    kwargs.setdefault("stable_steps", 2)
+    kwargs.setdefault("compile_kwargs", EAGER)
+    return GuardTuneCallback(preset, **kwargs)
+
+
 @pytest.fixture(autouse=True)
 def _clean_dynamo():
     """Every test starts and ends with fresh Dynamo caches and the default stance."""

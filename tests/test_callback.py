@@ -9,26 +9,17 @@ import lightning as L
 import pytest
 import torch
 from conftest import (
-    EAGER,
     TinyModule,
     assert_restored,
     assert_same_run,
     compare,
     fit,
+    guard,
     loaders,
     make_trainer,
 )
 from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 from torch import nn
-
-from guardtrain import GuardTuneCallback
-
-
-def guard(preset: str = "aggressive", **kwargs: Any) -> GuardTuneCallback:
-    kwargs.setdefault("warmup_steps", 3)
-    kwargs.setdefault("stable_steps", 2)
-    kwargs.setdefault("compile_kwargs", EAGER)
-    return GuardTuneCallback(preset, **kwargs)
 
 
 @pytest.mark.parametrize("preset", ["off", "safe", "balanced", "aggressive"])

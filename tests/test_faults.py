@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
+import conftest
 import lightning as L
 import pytest
 import torch
@@ -39,13 +41,8 @@ from guardtrain import (
     GuardTuneCallback,
 )
 
-
-def guard(preset: str = "aggressive", **kwargs: Any) -> GuardTuneCallback:
-    kwargs.setdefault("measure_lookup", False)
-    kwargs.setdefault("warmup_steps", 3)
-    kwargs.setdefault("stable_steps", 2)
-    kwargs.setdefault("compile_kwargs", EAGER)
-    return GuardTuneCallback(preset, **kwargs)
+guard = functools.partial(conftest.guard, measure_lookup=False)
+"""The tests' callback, without the lookup window (its batches would shift the steps)."""
 
 
 def stance_on() -> bool:

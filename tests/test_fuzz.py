@@ -20,13 +20,15 @@ Bugs the fuzz found are the ``test_bug_*`` regression tests at the end.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
+import conftest
 import lightning as L
 import pytest
 import torch
-from conftest import EAGER, TinyModule, compare
+from conftest import TinyModule, compare
 from fuzz_support import (
     ANYWHERE,
     BOUNDARY,
@@ -215,12 +217,8 @@ def test_event_in_the_middle_of_a_steady_epoch(preset: str, kind: str) -> None:
 # -- regressions: bugs the fuzz found -------------------------------------------------------
 
 
-def guard(preset: str = "aggressive", **kwargs: Any) -> GuardTuneCallback:
-    kwargs.setdefault("measure_lookup", False)
-    kwargs.setdefault("warmup_steps", 3)
-    kwargs.setdefault("stable_steps", 2)
-    kwargs.setdefault("compile_kwargs", EAGER)
-    return GuardTuneCallback(preset, **kwargs)
+guard = functools.partial(conftest.guard, measure_lookup=False)
+"""The tests' callback, without the lookup window (its batches would shift the steps)."""
 
 
 class PseudoLabels(TinyModule):
