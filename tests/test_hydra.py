@@ -552,17 +552,23 @@ def _summary(out: str) -> dict[str, str]:
     return rows
 
 
-@pytest.mark.slow
-def test_example_off_and_aggressive_give_the_same_validation_metric(tmp_path: Path) -> None:
+def _run_off_and_aggressive(tmp_path: Path, *overrides: str) -> dict[str, str]:
+    """The example with ``+guard=off`` and ``+guard=aggressive``: eager backend, short warm-up."""
     common = [
+        *overrides,
         "callbacks.guard_tune.compile_kwargs.backend=eager",
         "callbacks.guard_tune.warmup_steps=3",
         "callbacks.guard_tune.stable_steps=2",
     ]
-    outs = {
+    return {
         name: _run_example(tmp_path / name, f"+guard={name}", *common)
         for name in ("off", "aggressive")
     }
+
+
+@pytest.mark.slow
+def test_example_off_and_aggressive_give_the_same_validation_metric(tmp_path: Path) -> None:
+    outs = _run_off_and_aggressive(tmp_path)
     summaries = {name: _summary(out) for name, out in outs.items()}
 
     aggressive = summaries["aggressive"]
@@ -588,16 +594,7 @@ def test_example_off_and_aggressive_give_the_same_validation_metric(tmp_path: Pa
 @pytest.mark.distributed
 def test_example_ddp_reaches_steady_state_and_matches_off(tmp_path: Path) -> None:
     """trainer=ddp: two CPU processes; the stance is entered on every rank together."""
-    common = [
-        "trainer=ddp",
-        "callbacks.guard_tune.compile_kwargs.backend=eager",
-        "callbacks.guard_tune.warmup_steps=3",
-        "callbacks.guard_tune.stable_steps=2",
-    ]
-    outs = {
-        name: _run_example(tmp_path / name, f"+guard={name}", *common)
-        for name in ("off", "aggressive")
-    }
+    outs = _run_off_and_aggressive(tmp_path, "trainer=ddp")
     aggressive = _summary(outs["aggressive"])
     assert aggressive["phase"].startswith("steady  (loops: train=steady, validate=steady")
     assert int(aggressive["steady steps"]) > 0
