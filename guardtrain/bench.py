@@ -18,8 +18,9 @@ Configurations:
   :class:`~guardtrain.GuardTuneCallback` applies them: one
   :class:`~guardtrain.compile.CompiledTarget` per target with the preset's
   filter (:func:`~guardtrain.filters.resolve` + :func:`~guardtrain.filters.with_floor`)
-  and ``install_free_tensors``, ``use_recursive_dict_tags_for_guards`` set while
-  the configuration runs, and (``use_stance``) ``set_stance(skip_guard_eval_unsafe=True)``
+  and ``install_free_tensors``, ``use_recursive_dict_tags_for_guards`` as the
+  preset has it while the configuration runs (every preset: torch's default, the
+  config left alone), and (``use_stance``) ``set_stance(skip_guard_eval_unsafe=True)``
   after warm-up, with the targets' per-call ``training`` check and miss handler on.
 * ``floor``: ``torch.compiler.skip_all_guards_unsafe`` + ``install_free_tensors``:
   the unsound lower limit, for reference. It keeps Dynamo's one global-state
@@ -73,7 +74,7 @@ from guardtrain import filters as _filters
 from guardtrain.compile import CompiledTarget, check_compile_kwargs, resolve_targets
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.overhead import LookupStats, LookupWindow
-from guardtrain.presets import PRESETS
+from guardtrain.presets import PRESETS, PresetName
 
 __all__ = [
     "CONFIGS",
@@ -286,7 +287,7 @@ class Runner:
         self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-4)
         self.call: Callable[..., Any] = self.module
         self.targets: list[CompiledTarget] = []
-        self.dict_tags = False
+        self.dict_tags: bool | None = None  # None: torch's default, config left alone
         self.use_stance = False
         self.steady = False
         self.blocked: str | None = None
@@ -351,7 +352,8 @@ class Runner:
         """Dynamo config and stance of this configuration; compiles counted."""
         cfg = torch._dynamo.config
         saved = cfg.use_recursive_dict_tags_for_guards
-        cfg.use_recursive_dict_tags_for_guards = self.dict_tags
+        if self.dict_tags is not None:
+            cfg.use_recursive_dict_tags_for_guards = self.dict_tags
         before = _frames()
         try:
             if self.steady:
@@ -949,7 +951,7 @@ def plot(data: dict[str, Any], path: str) -> None:
 
 
 def callback_cost(
-    preset: str = "aggressive",
+    preset: PresetName = "aggressive",
     iterations: int = 20000,
     repeats: int = 7,
     profile: bool = True,

@@ -14,7 +14,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from guardtrain import filters as _filters
-from guardtrain.compile import CompiledTarget, check_compile_kwargs, resolve_targets
+from guardtrain.compile import (
+    CompiledTarget,
+    TakeOver,
+    check_compile_kwargs,
+    resolve_targets,
+    take_over_compiled,
+)
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError, GuardTrainValueError
 from guardtrain.monitor import (
     CompileMonitor,
@@ -24,7 +30,7 @@ from guardtrain.monitor import (
     module_fingerprint,
 )
 from guardtrain.phases import PHASE_NUMBERS, PhaseMachine
-from guardtrain.presets import GuardPreset, get_preset
+from guardtrain.presets import GuardPreset, PresetName, get_preset
 
 __all__ = ["GuardTuneCallback"]
 
@@ -96,7 +102,10 @@ class GuardTuneCallback(Callback):
             ``guard_filter_fn``, or a list of them; replaces the preset's filter.
             It is combined with the soundness floor.
         install_free_tensors: compile with ``install_free_tensors``.
-        recursive_dict_tags: set ``use_recursive_dict_tags_for_guards`` during the run.
+        recursive_dict_tags: ``use_recursive_dict_tags_for_guards`` during the run;
+            ``None`` (every preset) leaves torch's default (off since torch 2.12,
+            after segfaults: pytorch/pytorch#181873). ``True`` where torch's
+            default is off warns once.
         use_stance: enter the unsafe stance once a loop is warm.
         unsafe_drop_floor: do not combine the guard filter with the soundness
             floor. Unsafe: ``eval()`` or a new dtype may then silently reuse code.
@@ -155,13 +164,13 @@ class GuardTuneCallback(Callback):
 
     def __init__(
         self,
-        preset: str = "balanced",
+        preset: PresetName = "balanced",
         *,
         warmup_steps: int | None = None,
         stable_steps: int | None = None,
-        targets: str | Sequence[str] | None = None,
+        targets: str | list[str] | None = None,
         compile_kwargs: dict[str, Any] | None = None,
-        guard_filter: _filters.FilterSpec = None,
+        guard_filter: str | list[str] | _filters.GuardFilter | None = None,
         install_free_tensors: bool | None = None,
         recursive_dict_tags: bool | None = None,
         use_stance: bool | None = None,
@@ -191,6 +200,8 @@ class GuardTuneCallback(Callback):
             overrides["guard_filter"] = guard_filter
         self.preset = preset
         self.settings: GuardPreset = dataclasses.replace(base, **overrides)
+        self._dict_tags_warned = False  # the #181873 warning, once per callback
+        self._dict_tags_told = False  # the "dict tags are off" INFO line, once per callback
         for flag, value in (
             ("unsafe_drop_floor", unsafe_drop_floor),
             ("log_metrics", log_metrics),
@@ -252,6 +263,11 @@ class GuardTuneCallback(Callback):
 
         self.disabled = os.environ.get(DISABLE_ENV, "").strip() not in ("", "0")
         self._restored: dict[str, Any] = {}
+        self._kept: list[CompiledTarget] = []
+        """Targets of the last trainer call: the next call on the same modules reinstalls
+        them, with their compiled code (H28)."""
+        self._took_over_told: list[str] = []
+        self._ran = False
         self._reset_run_state()
 
     # -- public ------------------------------------------------------------------------------
@@ -267,6 +283,7 @@ class GuardTuneCallback(Callback):
         """Counters and history of the run so far, as a plain dict."""
         r = self._restored
         m = self._machine
+        lookup = self._lookup or r.get("lookup_us", {})
         return {
             "preset": self.preset,
             "phase": self.phase,
@@ -277,12 +294,14 @@ class GuardTuneCallback(Callback):
             "warmup_steps_taken": m.warmup_steps_taken + r.get("warmup_steps_taken", 0),
             "steady_steps": m.steady_steps + r.get("steady_steps", 0),
             "targets": list(self._target_names),
-            "compile_events": list(self._monitor.events),
+            "compile_events": (list(r.get("compile_events", [])) + self._monitor.events)[:100],
             "levers": self._levers(),
             "switched_off": list(self._switched_off),
             "stance_blocked": self._stance_blocked,
             "uncompiled_targets": list(self._uncompiled),
-            "lookup_us": dict(self._lookup),
+            "lookup_us": dict(lookup),
+            "lookup_calls": dict(self._lookup_calls or r.get("lookup_calls", {})),
+            "took_over": list(self._took_over),
             "disabled": self.disabled,
         }
 
@@ -314,7 +333,10 @@ class GuardTuneCallback(Callback):
         self._monitor = CompileMonitor()
         self._targets: list[CompiledTarget] = []
         self._target_names: list[str] = []
-        self._references: dict[int, Any] = {}
+        self._took_over: list[str] = []
+        self._takeover: TakeOver | None = None
+        self._skipped: list[str] = []
+        """Targets rebuilt once because Dynamo skipped their code."""
         self._pending: set[str] = set()
         self._loop: str | None = None
         self._stance_on = False
@@ -333,6 +355,7 @@ class GuardTuneCallback(Callback):
         self._measure_left = 0
         self._window: Any = None
         self._lookup: dict[str, float] = {}
+        self._lookup_calls: dict[str, dict[str, int]] = {}
         self._lookup_logged = False
         self._next_check = 0
         self._changes = 0
@@ -370,6 +393,18 @@ class GuardTuneCallback(Callback):
     # -- setup and teardown ------------------------------------------------------------------
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._ran:  # a later trainer call: the summary goes on from the earlier ones
+            s = self.summary()
+            self._restored = {
+                key: s[key] for key in ("compiles", "rearms", "warmup_steps_taken", "steady_steps")
+            }
+            self._restored.update(
+                train_batches=self._train_batches(),
+                lookup_us=s["lookup_us"],
+                lookup_calls=s["lookup_calls"],
+                compile_events=s["compile_events"],
+            )
+            self._ran = False
         self._reset_run_state()
         if self.disabled:
             rank_zero_info(
@@ -396,11 +431,39 @@ class GuardTuneCallback(Callback):
                 "and install_free_tensors freezes parameter identity in the graph",
             )
         dynamo_cfg = torch._dynamo.config
-        if self._dict_tags and not hasattr(dynamo_cfg, "use_recursive_dict_tags_for_guards"):
+        # Recursive dict tags (H22): None leaves torch's default alone; only an explicit
+        # bool from the user sets the config.
+        explicit_tags = self.settings.recursive_dict_tags
+        default_tags = bool(getattr(dynamo_cfg, "use_recursive_dict_tags_for_guards", False))
+        torch_release = torch.__version__.split("+")[0]
+        if explicit_tags and not hasattr(dynamo_cfg, "use_recursive_dict_tags_for_guards"):
             self._dict_tags = False
             self._switch_off(
                 "recursive_dict_tags", f"needs torch>=2.9 (installed {torch.__version__})"
             )
+        else:
+            self._dict_tags = default_tags if explicit_tags is None else explicit_tags
+            if self._dict_tags and not default_tags and not self._dict_tags_warned:
+                self._dict_tags_warned = True
+                rank_zero_warn(
+                    "guardtrain: recursive_dict_tags=True turns on Dynamo's "
+                    f"use_recursive_dict_tags_for_guards, which torch {torch_release} leaves "
+                    "off by default: PyTorch switched it off after segfaults in guard "
+                    "evaluation (pytorch/pytorch#181873, #181925). Leave recursive_dict_tags "
+                    "unset to keep torch's default."
+                )
+        if not self._dict_tags and not self._dict_tags_told:
+            self._dict_tags_told = True
+            if explicit_tags is None:
+                why = (
+                    f"torch {torch_release}'s default; PyTorch switched them off after "
+                    "segfaults, pytorch/pytorch#181873"
+                )
+            elif explicit_tags:
+                why = f"not in torch {torch_release}"
+            else:
+                why = "recursive_dict_tags=False"
+            rank_zero_info(f"guardtrain: recursive dict tags are off ({why}).")
         if self._ift and not hasattr(dynamo_cfg, "install_free_tensors"):
             self._ift = False
             self._switch_off(
@@ -438,7 +501,11 @@ class GuardTuneCallback(Callback):
         self._all_rearms = sorted(merged, key=lambda r: (r["step"], r.get("rank", 0)))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        idle = [t.name or "<LightningModule>" for t in self._targets if t.compiles == 0]
+        idle = [
+            t.name or "<LightningModule>"
+            for t in self._targets
+            if t.compiles == 0 or (t.calls and t.cache_entries() == 0)
+        ]
         if idle:
             self._uncompiled = idle
             rank_zero_warn(
@@ -468,29 +535,60 @@ class GuardTuneCallback(Callback):
             )
         self._saved_stance = stance
         cfg = torch._dynamo.config
-        if self._dict_tags:
+        explicit_tags = self.settings.recursive_dict_tags
+        if (
+            explicit_tags is not None
+            and self._dict_tags == explicit_tags  # not switched off in `setup`
+            and getattr(cfg, "use_recursive_dict_tags_for_guards", explicit_tags) != explicit_tags
+        ):
             self._saved_config["use_recursive_dict_tags_for_guards"] = (
                 cfg.use_recursive_dict_tags_for_guards
             )
-            cfg.use_recursive_dict_tags_for_guards = True
+            cfg.use_recursive_dict_tags_for_guards = explicit_tags
         self._active = True
+        self._ran = True
         try:
-            for name, module in resolve_targets(pl_module, self.targets):
-                target = CompiledTarget(
-                    name,
-                    module,
-                    self.compile_kwargs,
-                    self._resolved_filter,
-                    self._ift,
-                    on_compile=self._on_compile,
-                    on_miss=self._on_miss,
-                )
+            resolved = resolve_targets(pl_module, self.targets)
+            self._takeover = take_over_compiled(pl_module, resolved)
+            self._tell_take_over(self._takeover.names)
+            kept = {
+                (t.name, id(t.module)): t
+                for t in self._kept
+                if t.requested_free_tensors == self._ift
+            }
+            for name, module in resolved:
+                target = kept.get((name, id(module)))
+                if target is not None:  # a later trainer call: same code, same Dynamo cache
+                    target.install()
+                else:
+                    target = CompiledTarget(
+                        name,
+                        module,
+                        self.compile_kwargs,
+                        self._resolved_filter,
+                        self._ift,
+                        on_compile=self._on_compile,
+                        on_miss=self._on_miss,
+                        on_switch_off=self._on_switch_off,
+                    )
                 target.retry_eagerly = self._paired()
                 self._targets.append(target)
                 self._target_names.append(name or "<LightningModule>")
+            self._kept = list(self._targets)
         except BaseException:
             self._restore()
             raise
+
+    def _tell_take_over(self, names: list[str]) -> None:
+        """One warning when the user's own compiles are taken over (once per change)."""
+        self._took_over = list(names)
+        if names and names != self._took_over_told:
+            rank_zero_warn(
+                f"guardtrain: took over the compile of {', '.join(names)}: GuardTuneCallback "
+                "compiles the original module once itself (state_dict keys stay as they are); "
+                "drop your own torch.compile call to silence this."
+            )
+        self._took_over_told = list(names)
 
     def _restore(self) -> None:
         if not self._active:
@@ -502,7 +600,9 @@ class GuardTuneCallback(Callback):
         for target in self._targets:
             target.uninstall()
         self._targets = []
-        self._references.clear()
+        if self._takeover is not None:
+            self._takeover.restore()
+            self._takeover = None
         cfg = torch._dynamo.config
         for key, value in self._saved_config.items():
             setattr(cfg, key, value)
@@ -558,13 +658,16 @@ class GuardTuneCallback(Callback):
     def _rebuild(self, target: CompiledTarget, reason: str) -> None:
         """Forget every compiled entry of ``target`` and send every loop back to warm-up."""
         label = target.name or "<LightningModule>"
-        self._references.pop(id(target), None)
+        target.reference = None
         target.rebuild()
         self._rearm(None, f"{label}: {reason}; recompiling")
 
     def _on_compile(self, target: CompiledTarget, reason: str | None) -> None:
         self._changes += 1
         self._monitor.record(self._train_batches(), target.name, reason)
+
+    def _on_switch_off(self, target: CompiledTarget, why: str) -> None:
+        self._switch_off(f"install_free_tensors for {target.name or '<LightningModule>'!r}", why)
 
     def _on_miss(self, target: CompiledTarget, reason: str) -> bool:
         label = target.name or "<LightningModule>"
@@ -576,8 +679,12 @@ class GuardTuneCallback(Callback):
     def _blocker(self) -> str | None:
         """Why the stance must not be entered now, or None."""
         limit = getattr(torch._dynamo.config, "recompile_limit", 8)
+        if self._targets and all(t.cache_entries() == 0 for t in self._targets):
+            return "no target has compiled code"
         for target in self._targets:
             label = target.name or "<LightningModule>"
+            if target.calls and target.cache_entries() == 0:
+                return f"target {label!r} ran uncompiled: Dynamo skipped its code"
             if target.graph_breaks:
                 return (
                     f"target {label!r} has graph breaks; under the stance a miss in a resumed "
@@ -599,6 +706,10 @@ class GuardTuneCallback(Callback):
         self._loop = loop
         self._pending.add(loop)
         self._machine.pass_started(loop)
+        if loop != "train" and self._window is not None:
+            # A window counts every compiled call: this loop's must not count as
+            # training's (H27). Close it on the training batches it has measured.
+            self._close_window(self.lookup_window - self._measure_left)
 
     def _batch_start(self, loop: str, batch: Any, module: LightningModule) -> None:
         if not self._active:
@@ -649,12 +760,20 @@ class GuardTuneCallback(Callback):
         self._measure_left -= 1
         if self._measure_left > 0 or self._window is None:
             return
-        stats = self._window.stop(calls=self.lookup_window)
+        self._close_window(self.lookup_window)
+
+    def _close_window(self, steps: int) -> None:
+        """Stop the window after ``steps`` training batches and record what it measured."""
+        stats = self._window.stop(calls=max(steps, 1))
         self._window = None
-        if stats is None:
+        if stats is None or steps < 1:
             self._measure = None
             return
         per_step = (stats.guard_us_per_call or 0.0) + (stats.pregraph_us_per_call or 0.0)
+        self._lookup_calls["full_guards" if self._measure == "full" else "steady"] = {
+            "steps": steps,
+            "lookups": stats.lookups,
+        }
         if self._measure == "full":
             self._lookup["full_guards"] = per_step
             self._measure, self._measure_left = "steady", self.lookup_window
@@ -807,14 +926,20 @@ class GuardTuneCallback(Callback):
                     "instance of its class, and their dropped guards cannot be re-checked",
                 )
                 self._rebuild(target, "graph breaks: full guards, no install_free_tensors")
-            elif id(target) not in self._references:
-                self._references[id(target)] = module_fingerprint(target.module)
+            elif target.reference is None:
+                target.reference = module_fingerprint(target.module)
 
     def _boundary_check(self, loop: str) -> None:
         rebuild: list[tuple[CompiledTarget, str]] = []
         for target in self._targets:
             label = target.name or "<LightningModule>"
-            reference = self._references.get(id(target))
+            if target.calls and target.cache_entries() == 0 and label not in self._skipped:
+                # Dynamo marked the code skipped, e.g. after a call under a dispatch
+                # mode that guardtrain did not see (H18): a fresh code object compiles.
+                self._skipped.append(label)
+                rebuild.append((target, "Dynamo skipped its code, it ran uncompiled"))
+                continue
+            reference = target.reference
             change = None
             if reference is not None:
                 change = fingerprint_change(reference, module_fingerprint(target.module))

@@ -39,8 +39,10 @@ __all__ = [
     "CompiledTarget",
     "build_compile_kwargs",
     "check_compile_kwargs",
+    "TakeOver",
     "is_stance_miss",
     "resolve_targets",
+    "take_over_compiled",
 ]
 
 #: Keys ``compile_kwargs`` accepts; each is passed to ``torch.compile``.
@@ -232,6 +234,9 @@ def _trampoline_code() -> types.CodeType:
 
 CompileHook = Callable[["CompiledTarget", str | None], None]
 MissHook = Callable[["CompiledTarget", str], bool]
+SwitchOffHook = Callable[["CompiledTarget", str], None]
+_INSTALLED = ("forward", "__getstate__")
+_FREEVAR_ERROR = "Freevar has no source"
 _MISS = "no compiled entry accepted the call"
 
 
@@ -248,6 +253,8 @@ class CompiledTarget:
         on_miss: called with a reason on a stance miss, or on a call whose
             ``(training, grad, autocast)`` mode was never compiled; it must leave
             the stance. Returns True when the call may be retried with full guards.
+        on_switch_off: called with a reason when ``install_free_tensors`` is switched
+            off for this target.
     """
 
     def __init__(
@@ -259,15 +266,17 @@ class CompiledTarget:
         install_free_tensors: bool,
         on_compile: CompileHook,
         on_miss: MissHook,
+        on_switch_off: SwitchOffHook | None = None,
     ) -> None:
         self.name = name
         self.module = module
         self.install_free_tensors = install_free_tensors
+        self.requested_free_tensors = install_free_tensors
         self.fast = False
         """True while the unsafe stance is on: calls skip the config patch."""
-        self.modes: set[tuple[bool, bool, bool]] = set()
-        """``(training, grad enabled, autocast on)`` of every compile."""
-        self.fast_modes: set[tuple[bool, bool, bool]] = set()
+        self.modes: set[Mode] = set()
+        """``(training, grad enabled, inference mode, autocast on)`` of every compile."""
+        self.fast_modes: set[Mode] = set()
         """The modes a call may have under the stance: compiled, and, unless a
         ``.training`` guard failed once (the stance evaluates guards that failed,
         H1), the only training value compiled with that grad mode and autocast:
@@ -288,17 +297,81 @@ class CompiledTarget:
         self._filter = guard_filter or keep_all
         self._on_compile = on_compile
         self._on_miss = on_miss
-        self._previous = module.__dict__.get("forward", _MISSING)
-        func = _forward_function(name, module)
-        self._func = func
-        self._bound = types.MethodType(func, module)
+        self.calls = 0
+        """Calls outside the stance since the last rebuild (a called target with no
+        compile ran uncompiled: Dynamo skipped its code)."""
+        self.reference: Any = None
+        """The module's fingerprint when its entries were compiled (set by the caller)."""
+        self.free_tensors_off: str | None = None
+        """Why ``install_free_tensors`` was switched off for this target, if it was."""
+        self._on_switch_off = on_switch_off
+        self._previous: dict[str, Any] = {}
+        self._func = _forward_function(name, module)
+        self._bound = types.MethodType(self._func, module)
         self._shared_codes: set[types.CodeType] = set()
         self._plain: Callable[..., Any] | None = None
         self._mismatch: str | None = None
         self.code: types.CodeType
         self.compiled: Callable[..., Any]
+        if install_free_tensors:
+            region = _nested_compile_region(module)
+            if region is not None:
+                self._free_tensors_off(
+                    f"it contains a nested compile region ({region}); Dynamo cannot trace "
+                    "one with install_free_tensors (H23)"
+                )
         self.rebuild()
-        module.__dict__["forward"] = self._make_wrapper()
+        self._wrapper = self._make_wrapper()
+        self.install()
+
+    def _free_tensors_off(self, why: str) -> None:
+        self.install_free_tensors = False
+        self.free_tensors_off = why
+        if self._on_switch_off is not None:
+            self._on_switch_off(self, why)
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def install(self) -> None:
+        """Install the compiled ``forward`` on the module (again, after :meth:`uninstall`).
+
+        The module also gets an instance ``__getstate__`` that leaves guardtrain's
+        attributes out of its state: ``pickle``, ``torch.save`` and ``copy.deepcopy``
+        of the module give a plain module that runs its own weights eagerly (H17,
+        H29), while this one keeps running compiled. Re-installing keeps the
+        compiled code and its Dynamo cache.
+
+        Raises:
+            GuardTrainValueError: the module's ``forward`` is no longer the one
+                compiled (it was replaced between two runs).
+        """
+        if self.installed:
+            return
+        module = self.module
+        if _forward_function(self.name, module) is not self._func:
+            raise GuardTrainValueError(
+                f"Target {self.name or 'the LightningModule'!r} has another `forward` than "
+                "the one compiled before."
+            )
+        self._previous = {key: module.__dict__.get(key, _MISSING) for key in _INSTALLED}
+        previous = dict(self._previous)
+        class_getstate = type(module).__getstate__
+
+        def __getstate__() -> Any:
+            state = class_getstate(module)
+            if isinstance(state, dict):
+                state = dict(state)
+                for key, value in previous.items():
+                    if value is _MISSING:
+                        state.pop(key, None)
+                    else:
+                        state[key] = value
+            return state
+
+        module.__dict__["forward"] = self._wrapper
+        module.__dict__["__getstate__"] = __getstate__
 
     # -- compiling ---------------------------------------------------------------------------
 
@@ -322,6 +395,7 @@ class CompiledTarget:
         self._training_failed = False
         self._root_entries = 0
         self.graph_breaks = False
+        self.calls = 0
         if not self.drops_guards:
             self._filter = keep_all
         fn = types.FunctionType(
@@ -426,7 +500,7 @@ class CompiledTarget:
         @functools.wraps(self._func)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if target.fast:
-                mode = (module.training, is_grad_enabled(), any_autocast())
+                mode = (module.training, is_grad_enabled(), is_inference(), any_autocast())
                 if mode in target.fast_modes:
                     try:
                         return target.compiled(*args, **kwargs)
@@ -437,14 +511,36 @@ class CompiledTarget:
                             return target._bound(*args, **kwargs)
                 else:  # the stance could pick an entry compiled for another mode
                     target._on_miss(target, _describe_mode(mode, mode in target.modes))
+            if dispatch_mode_active():
+                # Dynamo would skip the frame and mark our code skipped for good
+                # (ModelSummary's FLOP count, H18): run this call eagerly instead.
+                return target._bound(*args, **kwargs)
+            target.calls += 1
             if not target.install_free_tensors:
                 return target.compiled(*args, **kwargs)
             previous = cfg.install_free_tensors
             cfg.install_free_tensors = True
+            compiles = target.compiles
             try:
                 return target.compiled(*args, **kwargs)
+            except AssertionError as err:
+                if (
+                    _FREEVAR_ERROR not in str(err)
+                    or target.graph_breaks
+                    or target.compiles != compiles
+                ):
+                    raise
+                # A nested compile region the static scan did not see (H23). No frame
+                # compiled in this call, so the error came from tracing the first
+                # frame, before any of the forward ran: compile again without it.
+                target._free_tensors_off(
+                    "Dynamo cannot trace a nested compile region with install_free_tensors "
+                    f"(H23: {_FREEVAR_ERROR})"
+                )
+                target.rebuild()
             finally:
                 cfg.install_free_tensors = previous
+            return target.compiled(*args, **kwargs)
 
         forward.__wrapped__ = self._bound  # type: ignore[attr-defined]
         forward._guardtrain_target = self  # type: ignore[attr-defined]
@@ -504,28 +600,52 @@ class CompiledTarget:
         return self._mismatch
 
     def uninstall(self) -> None:
-        """Restore the module's ``forward`` as it was; drop the compiled code."""
-        if self._previous is _MISSING:
-            self.module.__dict__.pop("forward", None)
-        else:
-            self.module.__dict__["forward"] = self._previous
+        """Restore the module's ``forward`` and ``__getstate__`` as they were.
+
+        The compiled code and its Dynamo cache are kept for :meth:`install`.
+        """
+        for key, value in self._previous.items():
+            if value is _MISSING:
+                self.module.__dict__.pop(key, None)
+            else:
+                self.module.__dict__[key] = value
+        self._previous = {}
         self.fast = False
-        self.compiled = None  # type: ignore[assignment]
 
 
 is_grad_enabled = torch.is_grad_enabled
+is_inference = torch.is_inference_mode_enabled
 any_autocast: Callable[[], bool] = getattr(
     torch._C, "_is_any_autocast_enabled", lambda: torch.is_autocast_enabled()
 )
+Mode = tuple[bool, bool, bool, bool]
+"""``(training, grad enabled, inference mode, autocast on)`` of a call."""
 
 
-def _mode(module: nn.Module) -> tuple[bool, bool, bool]:
-    return (module.training, is_grad_enabled(), any_autocast())
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode is active that makes Dynamo skip a frame (H18).
+
+    Mirrors Dynamo's own test in ``convert_frame``; ``False`` on a torch without it.
+    """
+    from torch.utils import _python_dispatch as pd
+
+    if getattr(torch._dynamo.config, "inline_torch_dispatch_torch_compile", False):
+        on_stack = getattr(pd, "any_torch_dispatch_mode_on_stack", None)
+        return bool(on_stack()) if on_stack is not None else False
+    check = getattr(pd, "is_in_any_mode_without_ignore_compile_internals", None)
+    return bool(check()) if check is not None else False
 
 
-def _describe_mode(mode: tuple[bool, bool, bool], compiled: bool) -> str:
-    training, grad, autocast = mode
-    what = f"a call with training={training}, grad enabled={grad}, autocast={autocast}"
+def _mode(module: nn.Module) -> Mode:
+    return (module.training, is_grad_enabled(), is_inference(), any_autocast())
+
+
+def _describe_mode(mode: Mode, compiled: bool) -> str:
+    training, grad, inference, autocast = mode
+    what = (
+        f"a call with training={training}, grad enabled={grad}, inference mode={inference}, "
+        f"autocast={autocast}"
+    )
     if compiled:
         return (
             f"{what}: entries for both training values exist under this grad mode and "
@@ -534,11 +654,11 @@ def _describe_mode(mode: tuple[bool, bool, bool], compiled: bool) -> str:
     return f"{what}, a combination not compiled with full guards"
 
 
-def _unambiguous(modes: set[tuple[bool, bool, bool]]) -> set[tuple[bool, bool, bool]]:
-    trainings: dict[tuple[bool, bool], set[bool]] = {}
-    for training, grad, autocast in modes:
-        trainings.setdefault((grad, autocast), set()).add(training)
-    return {m for m in modes if len(trainings[(m[1], m[2])]) == 1}
+def _unambiguous(modes: set[Mode]) -> set[Mode]:
+    trainings: dict[tuple[bool, ...], set[bool]] = {}
+    for mode in modes:
+        trainings.setdefault(mode[1:], set()).add(mode[0])
+    return {m for m in modes if len(trainings[m[1:]]) == 1}
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -622,7 +742,9 @@ def resolve_targets(root: nn.Module, targets: Sequence[str] | None) -> list[tupl
     """
     if targets is None:
         children = [
-            (n, m) for n, m in root.named_children() if next(m.parameters(), None) is not None
+            _look_through(n, m)
+            for n, m in root.named_children()
+            if next(m.parameters(), None) is not None
         ]
         if len(children) == 1 and type(children[0][1]).forward is not nn.Module.forward:
             return [children[0]]
@@ -642,7 +764,8 @@ def resolve_targets(root: nn.Module, targets: Sequence[str] | None) -> list[tupl
                 f"{type(root).__name__}; some names: {sample}."
             )
         for n in names:
-            chosen.setdefault(n, aliases[n])
+            n, m = _look_through(n, aliases[n])
+            chosen.setdefault(n, m)
     # Outermost matches only: drop a name whose ancestor is also chosen.
     outer = {
         n: m
@@ -657,3 +780,110 @@ def resolve_targets(root: nn.Module, targets: Sequence[str] | None) -> list[tupl
             )
         seen[id(m)] = n
     return list(outer.items())
+
+
+def _look_through(name: str, module: nn.Module) -> tuple[str, nn.Module]:
+    """``torch.compile(module)`` returns a wrapper: the target is the module inside it."""
+    while isinstance(module, OptimizedModule):
+        name, module = (f"{name}._orig_mod" if name else "_orig_mod"), module._orig_mod
+    return name, module
+
+
+OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
+
+
+class TakeOver:
+    """Compiles of the user's own inside the targets, switched off while guardtrain runs.
+
+    The lightning-hydra-template's ``compile=true`` does ``self.net =
+    torch.compile(self.net)`` in the LightningModule's ``setup``, which Lightning
+    runs after the callbacks' ``setup`` (H29). guardtrain compiles the original
+    module once itself: each ``OptimizedModule`` wrapping a target (or inside one)
+    calls its module plainly, ``nn.Module.compile()`` and a compiled ``forward``
+    attribute are set aside. Module structure and ``state_dict`` keys
+    (``net._orig_mod.*``) stay as the user's code made them. :meth:`restore` puts
+    everything back.
+    """
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        """What was taken over, e.g. ``"net (torch.compile)"``."""
+        self._undo: list[tuple[dict[str, Any], str, Any]] = []
+
+    def _set(self, module: nn.Module, key: str, value: Any) -> None:
+        """Set (or, with ``_MISSING``, remove) an instance attribute, remembering the old one."""
+        self._undo.append((module.__dict__, key, module.__dict__.get(key, _MISSING)))
+        if value is _MISSING:
+            module.__dict__.pop(key, None)
+        else:
+            module.__dict__[key] = value
+
+    def take(self, name: str, module: nn.Module) -> None:
+        """Switch off every compile of the user's in ``module`` and below it."""
+        for sub_name, sub in module.named_modules(prefix=name):
+            label = sub_name or "<LightningModule>"
+            if isinstance(sub, OptimizedModule):
+                self._set(sub, "forward", sub._orig_mod.__call__)
+                self.names.append(f"{label} (torch.compile)")
+                continue
+            if sub.__dict__.get("_compiled_call_impl") is not None:
+                self._set(sub, "_compiled_call_impl", None)
+                self.names.append(f"{label} (nn.Module.compile)")
+            original = _compiled_forward_source(sub)
+            if original is None:
+                continue
+            if getattr(original, "__func__", None) is type(sub).forward:
+                self._set(sub, "forward", _MISSING)  # the class's own forward
+            else:
+                self._set(sub, "forward", original)
+            self.names.append(f"{label} (a compiled forward)")
+
+    def restore(self) -> None:
+        for owner, key, value in reversed(self._undo):
+            if value is _MISSING:
+                owner.pop(key, None)
+            else:
+                owner[key] = value
+        self._undo = []
+
+
+def _compiled_forward_source(module: nn.Module) -> Any:
+    """For ``module.forward = torch.compile(module.forward)``: the bound method inside, or None."""
+    original = getattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable", None)
+    for _ in range(8):  # torch.compile wraps a bound method in a function: unwrap it
+        if original is None or getattr(original, "__self__", None) is module:
+            return original
+        original = getattr(original, "__wrapped__", None)
+    return None
+
+
+def take_over_compiled(root: nn.Module, targets: Sequence[tuple[str, nn.Module]]) -> TakeOver:
+    """Switch off the user's own compiles of ``targets``, of modules inside them, and of the
+    ``OptimizedModule`` wrappers around them (see :class:`TakeOver`)."""
+    taken = TakeOver()
+    modules = dict(root.named_modules(remove_duplicate=False))
+    for name, module in targets:
+        wrapper = name
+        while wrapper.endswith("_orig_mod"):  # the OptimizedModules resolve_targets looked through
+            wrapper = wrapper[: -len("_orig_mod")].rstrip(".")
+            taken.take(wrapper, modules[wrapper] if wrapper else root)
+        if wrapper == name:
+            taken.take(name, module)
+    return taken
+
+
+def _nested_compile_region(module: nn.Module) -> str | None:
+    """Name a nested compile region in ``module`` (H23), or None.
+
+    Looks at each submodule's ``forward`` and at the globals its code names.
+    """
+    for name, sub in module.named_modules():
+        forward = type(sub).forward
+        if hasattr(forward, "__marked_compile_region_fn__"):
+            return f"{type(sub).__name__}.forward" + (f" of {name!r}" if name else "")
+        code = getattr(forward, "__code__", None)
+        scope = getattr(forward, "__globals__", {})
+        for global_name in code.co_names if code is not None else ():
+            if hasattr(scope.get(global_name), "__marked_compile_region_fn__"):
+                return f"{global_name} in {type(sub).__name__}.forward"
+    return None

@@ -8,10 +8,14 @@ a lazily compiled backward, and it keeps working across ``torch._dynamo.reset()`
 
 from __future__ import annotations
 
+import dataclasses
+from collections import UserDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 __all__ = [
@@ -41,8 +45,22 @@ class CompileMonitor:
 def batch_signature(batch: Any) -> Any:
     """Shapes, dtypes and devices of the tensors in ``batch``, as a hashable value.
 
-    Containers (tuple, list, dict) keep their structure; other leaves count by
-    type only. This is the per-batch check: about 1 µs for a two-tensor batch.
+    A tuple, list or dict (subclasses such as namedtuples and ``OrderedDict``
+    included) keeps its type and structure, with fast paths for a flat tuple,
+    list or dict of tensors. Any other container (a ``Mapping`` that is not a
+    ``dict``, such as HF's ``BatchEncoding``; a dataclass instance; any other
+    collection that ``apply_to_collection`` walks) gives a :class:`_Container`:
+    its type, its keys or field names, and per member either the tensor's
+    metadata or the metadata of every tensor nested in that member, in the
+    order ``apply_to_collection`` visits them. Values never count; a leaf that
+    is not a tensor, and an object that is no collection, count by type only.
+
+    Args:
+        batch: the batch as the loop hands it to the step.
+
+    Returns:
+        A hashable value, equal for two batches whose tensors have the same
+        shapes, dtypes and devices in the same containers.
     """
     cls = type(batch)
     if cls is tuple or cls is list:  # the common case: a flat tuple or list of tensors
@@ -50,17 +68,131 @@ def batch_signature(batch: Any) -> Any:
             return (cls, tuple([(t.shape, t.dtype, t.device) for t in batch]))
         except AttributeError:
             pass
+    elif cls is dict:  # a flat dict of tensors
+        try:
+            return (cls, tuple([(k, (v.shape, v.dtype, v.device)) for k, v in batch.items()]))
+        except AttributeError:
+            pass
     if isinstance(batch, torch.Tensor):
         return (batch.shape, batch.dtype, batch.device)
     if isinstance(batch, (tuple, list)):
-        return (type(batch), tuple(batch_signature(b) for b in batch))
+        return (cls, tuple([batch_signature(b) for b in batch]))
     if isinstance(batch, dict):
-        return (type(batch), tuple((k, batch_signature(v)) for k, v in batch.items()))
-    return type(batch)
+        return (cls, tuple([(k, batch_signature(v)) for k, v in batch.items()]))
+    return _container_signature(batch)
 
 
-def describe_signature(signature: Any) -> str:
-    """A short readable form of a :func:`batch_signature`."""
+class _Tensors(tuple):
+    """The metadata of every tensor nested in one member of a :class:`_Container`."""
+
+    __slots__ = ()
+
+
+class _Container(NamedTuple):
+    """The signature of a container that is not a tuple, list or dict.
+
+    ``names`` are a mapping's keys or a dataclass's field names (None for any
+    other collection); ``members`` has one entry per name: a tensor's
+    metadata, a :class:`_Tensors`, or the type of a member that holds no
+    tensor. Any other collection has a single :class:`_Tensors` member.
+    """
+
+    type: type
+    names: tuple[Any, ...] | None
+    members: tuple[Any, ...]
+
+
+_USER_DICT, _MAPPING, _OTHER = "user dict", "mapping", "other"
+_KINDS: dict[type, Any] = {}
+"""Per batch type: a dataclass's field names, or one of the kinds above."""
+
+
+def _kind(cls: type) -> Any:
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if dataclasses.is_dataclass(cls):
+            kind = tuple(f.name for f in dataclasses.fields(cls))
+        elif issubclass(cls, UserDict):
+            kind = _USER_DICT
+        elif issubclass(cls, Mapping):
+            kind = _MAPPING
+        else:
+            kind = _OTHER
+        _KINDS[cls] = kind
+    return kind
+
+
+def _collect(tensor: torch.Tensor, into: list[Any]) -> None:
+    into.append((tensor.shape, tensor.dtype, tensor.device))
+
+
+def _nested_tensors(value: Any) -> _Tensors | None:
+    """The metadata of the tensors in ``value`` as ``apply_to_collection`` visits them.
+
+    Returns None when the walk fails: ``apply_to_collection`` rebuilds what it
+    walks, and refuses a frozen dataclass or a collection whose constructor
+    does not take its items.
+    """
+    found: list[Any] = []
+    try:
+        apply_to_collection(value, torch.Tensor, _collect, found)
+    except Exception:
+        return None
+    return _Tensors(found)
+
+
+def _member(value: Any) -> Any:
+    """The signature of a member that is not a tensor.
+
+    The metadata of the tensors nested in it, or its type when it holds none;
+    where ``apply_to_collection`` cannot walk it, its :func:`batch_signature`.
+    """
+    found = _nested_tensors(value)
+    if found is None:
+        return batch_signature(value)
+    return found if found else type(value)
+
+
+def _container_signature(batch: Any) -> Any:
+    """The signature of a batch that is not a tensor, tuple, list or dict.
+
+    A dataclass instance is read field by field (``init=False`` fields
+    included) and a ``Mapping`` item by item; a member that is not a tensor is
+    walked by ``apply_to_collection``, which is never asked to rebuild the
+    batch itself (no copy of a dataclass, frozen ones included, and no call of
+    a mapping's constructor). Any other collection is walked whole; an object
+    that is no collection, or a collection that ``apply_to_collection`` cannot
+    rebuild, counts by its type.
+    """
+    cls = type(batch)
+    kind = _kind(cls)
+    if kind is _USER_DICT or kind is _MAPPING:
+        items = batch.data.items() if kind is _USER_DICT else batch.items()
+        names = []
+        members = []
+        for key, value in items:
+            names.append(key)
+            members.append(
+                (value.shape, value.dtype, value.device)
+                if isinstance(value, torch.Tensor)
+                else _member(value)
+            )
+        return _Container(cls, tuple(names), tuple(members))
+    if kind is _OTHER:
+        found = _nested_tensors(batch)
+        return _Container(cls, None, (found,)) if found else cls
+    members = []
+    for name in kind:
+        value = getattr(batch, name, None)  # an init=False field may be unset
+        members.append(
+            (value.shape, value.dtype, value.device)
+            if isinstance(value, torch.Tensor)
+            else _member(value)
+        )
+    return _Container(cls, kind, tuple(members))
+
+
+def _describe_tensor(signature: Any) -> str | None:
     if (
         isinstance(signature, tuple)
         and len(signature) == 3
@@ -68,11 +200,38 @@ def describe_signature(signature: Any) -> str:
     ):
         shape, dtype, device = signature
         return f"{tuple(shape)} {str(dtype).replace('torch.', '')} {device}"
+    return None
+
+
+def describe_signature(signature: Any) -> str:
+    """A short readable form of a :func:`batch_signature`.
+
+    Tensors read as ``(16, 8) float32 cpu``; a tuple or list as ``(...)``; a
+    dict as ``{'key': ...}``; a mapping of another type as
+    ``BatchEncoding{'input_ids': ...}``; a dataclass or namedtuple as
+    ``Batch(x=...)``; the tensors nested in one member as ``[...]``; anything
+    else by its type's name.
+    """
+    tensor = _describe_tensor(signature)
+    if tensor is not None:
+        return tensor
+    if isinstance(signature, _Tensors):
+        return "[" + ", ".join(describe_signature(s) for s in signature) + "]"
+    if isinstance(signature, _Container):
+        name = signature.type.__name__
+        if signature.names is None:
+            return name + "".join(describe_signature(m) for m in signature.members)
+        pairs = zip(signature.names, (describe_signature(m) for m in signature.members))
+        if issubclass(signature.type, Mapping):
+            return name + "{" + ", ".join(f"{k!r}: {p}" for k, p in pairs) + "}"
+        return name + "(" + ", ".join(f"{k}={p}" for k, p in pairs) + ")"
     if isinstance(signature, tuple) and len(signature) == 2 and isinstance(signature[0], type):
-        inner = signature[1]
-        if signature[0] is dict or issubclass(signature[0], dict):
-            return "{" + ", ".join(f"{k!r}: {describe_signature(v)}" for k, v in inner) + "}"
-        return "(" + ", ".join(describe_signature(s) for s in inner) + ")"
+        cls, inner = signature
+        if issubclass(cls, dict):
+            body = "{" + ", ".join(f"{k!r}: {describe_signature(v)}" for k, v in inner) + "}"
+            return body if cls is dict else cls.__name__ + body
+        body = "(" + ", ".join(describe_signature(s) for s in inner) + ")"
+        return body if cls is tuple or cls is list else cls.__name__ + body
     if isinstance(signature, type):
         return signature.__name__
     return repr(signature)

@@ -6,23 +6,35 @@ use_stance=False)`` reads as "the balanced preset, but never enter the stance".
 
 | preset     | recursive dict tags | install_free_tensors | guard filter             | stance |
 |------------|---------------------|----------------------|--------------------------|--------|
-| off        | no                  | no                   | none                     | no     |
-| safe       | yes                 | no                   | none                     | no     |
-| balanced   | yes                 | yes                  | skip_inbuilt_nn_modules  | yes    |
-| aggressive | yes                 | yes                  | skip_all_nn_modules      | yes    |
+| off        | torch's default     | no                   | none                     | no     |
+| safe       | torch's default     | yes                  | none                     | no     |
+| balanced   | torch's default     | yes                  | skip_inbuilt_nn_modules  | yes    |
+| aggressive | torch's default     | yes                  | skip_all_nn_modules      | yes    |
 
 Every preset compiles; ``off`` only leaves Dynamo's guards as they are.
+
+``safe`` keeps every guard and never enters the stance: ``install_free_tensors``
+removes the pre-graph bytecode that passes the parameters in as graph inputs,
+and guardtrain gives each target a private code object (instances never share
+a graph) and re-checks parameter identity at loop and epoch boundaries (a
+replaced parameter rebuilds the target).
+
+Recursive dict tags (``torch._dynamo.config.use_recursive_dict_tags_for_guards``)
+stay at torch's default in every preset (``recursive_dict_tags=None``): PyTorch
+switched them off by default after segfaults (pytorch/pytorch#181873), and
+torch 2.13 has them off. Pass ``recursive_dict_tags=True`` to turn them on anyway
+(guardtrain then warns once).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Literal, Mapping
 
 from guardtrain.errors import GuardTrainTypeError, GuardTrainValueError
 
-__all__ = ["GuardPreset", "PRESETS", "get_preset"]
+__all__ = ["GuardPreset", "PRESETS", "PresetName", "get_preset"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,8 +47,9 @@ class GuardPreset:
     stable_steps: int = 10
     """The stance is entered only when none of the last ``stable_steps`` batches compiled."""
 
-    recursive_dict_tags: bool = False
-    """Set ``torch._dynamo.config.use_recursive_dict_tags_for_guards`` during the run."""
+    recursive_dict_tags: bool | None = None
+    """``torch._dynamo.config.use_recursive_dict_tags_for_guards`` during the run;
+    ``None``: torch's default (the config is left alone)."""
 
     install_free_tensors: bool = False
     """Compile with ``torch._dynamo.config.install_free_tensors`` (each target gets a private cache)."""
@@ -58,12 +71,17 @@ class GuardPreset:
             raise GuardTrainValueError(f"`warmup_steps` must be >= 0, got {self.warmup_steps}.")
         if self.stable_steps < 1:
             raise GuardTrainValueError(f"`stable_steps` must be >= 1, got {self.stable_steps}.")
-        for name in ("recursive_dict_tags", "install_free_tensors", "use_stance"):
+        for name in ("install_free_tensors", "use_stance"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise GuardTrainTypeError(
                     f"`{name}` must be a bool, got {value!r} ({type(value).__name__})."
                 )
+        if self.recursive_dict_tags is not None and not isinstance(self.recursive_dict_tags, bool):
+            raise GuardTrainTypeError(
+                "`recursive_dict_tags` must be a bool or None, got "
+                f"{self.recursive_dict_tags!r} ({type(self.recursive_dict_tags).__name__})."
+            )
         if self.guard_filter is not None and not isinstance(self.guard_filter, str):
             raise GuardTrainTypeError(
                 f"A preset's `guard_filter` must be a filter name or None, got {self.guard_filter!r}."
@@ -73,15 +91,13 @@ class GuardPreset:
 PRESETS: Mapping[str, GuardPreset] = MappingProxyType(
     {
         "off": GuardPreset(),
-        "safe": GuardPreset(recursive_dict_tags=True),
+        "safe": GuardPreset(install_free_tensors=True),
         "balanced": GuardPreset(
-            recursive_dict_tags=True,
             install_free_tensors=True,
             guard_filter="skip_inbuilt_nn_modules",
             use_stance=True,
         ),
         "aggressive": GuardPreset(
-            recursive_dict_tags=True,
             install_free_tensors=True,
             guard_filter="skip_all_nn_modules",
             use_stance=True,
@@ -89,6 +105,10 @@ PRESETS: Mapping[str, GuardPreset] = MappingProxyType(
     }
 )
 """Preset name -> :class:`GuardPreset`."""
+
+PresetName = Literal["off", "safe", "balanced", "aggressive"]
+"""The keys of :data:`PRESETS`, in order, as a type: ``GuardTuneCallback(preset=...)``
+is annotated with it, so type checkers and LightningCLI (``--help``) know the names."""
 
 
 def get_preset(name: str) -> GuardPreset:

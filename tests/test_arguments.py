@@ -19,7 +19,8 @@ from guardtrain import PRESETS, GuardTrainError, GuardTuneCallback
         ({"stable_steps": 0}, ValueError, r"`stable_steps` must be >= 1, got 0"),
         ({"use_stance": "yes"}, TypeError, r"`use_stance` must be a bool, got 'yes'"),
         ({"install_free_tensors": 1}, TypeError, r"`install_free_tensors` must be a bool"),
-        ({"recursive_dict_tags": "no"}, TypeError, r"`recursive_dict_tags` must be a bool"),
+        ({"recursive_dict_tags": "no"}, TypeError, r"`recursive_dict_tags` must be a bool or None"),
+        ({"recursive_dict_tags": 1}, TypeError, r"`recursive_dict_tags` must be a bool or None"),
         ({"guard_filter": "nope"}, ValueError, r"unknown filter 'nope'; known filters"),
         ({"guard_filter": 42}, TypeError, r"`guard_filter` must be a filter name"),
         ({"unsafe_drop_floor": "x"}, TypeError, r"`unsafe_drop_floor` must be a bool"),
@@ -71,7 +72,11 @@ def test_explicit_arguments_override_the_preset() -> None:
 def test_presets_table() -> None:
     assert list(PRESETS) == ["off", "safe", "balanced", "aggressive"]
     assert not PRESETS["off"].use_stance and PRESETS["off"].guard_filter is None
-    assert PRESETS["safe"].recursive_dict_tags and not PRESETS["safe"].install_free_tensors
+    # Every preset leaves recursive dict tags at torch's default (H22, pytorch#181873).
+    assert all(p.recursive_dict_tags is None for p in PRESETS.values())
+    # `safe`: install_free_tensors only; every guard kept, never the stance.
+    assert PRESETS["safe"].install_free_tensors and PRESETS["safe"].guard_filter is None
+    assert not PRESETS["safe"].use_stance and PRESETS["safe"] != PRESETS["off"]
     assert PRESETS["balanced"].guard_filter == "skip_inbuilt_nn_modules"
     assert PRESETS["aggressive"].guard_filter == "skip_all_nn_modules"
     assert PRESETS["aggressive"].use_stance and PRESETS["aggressive"].install_free_tensors

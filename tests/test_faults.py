@@ -26,6 +26,7 @@ from conftest import (
     TinyModule,
     assert_restored,
     assert_same_run,
+    compare,
     fit,
     loaders,
     make_trainer,
@@ -267,16 +268,21 @@ class OneNet(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.train_losses: list[torch.Tensor] = []
+        self.val_losses: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self(x), y)
+        loss = nn.functional.mse_loss(self(x), y)
+        self.train_losses.append(loss.detach().clone())
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        pass
+        x, y = batch
+        self.val_losses.append(nn.functional.mse_loss(self(x), y).detach().clone())
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -334,29 +340,47 @@ def forwards(model: nn.Module) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
+    ("make", "kwargs", "took_over"),
+    [
+        (lambda: _net_compile(OneNet()), {}, ["net (nn.Module.compile)"]),
+        (lambda: _lm_compile(TinyModule()), {}, ["<LightningModule> (nn.Module.compile)"]),
+        (lambda: _forward_compiled(TinyModule()), {}, ["<LightningModule> (a compiled forward)"]),
+        (lambda: _net_forward_compiled(OneNet()), {}, ["net (a compiled forward)"]),
+        (lambda: _net_wrapped(OneNet()), {"targets": ["net"]}, ["net (torch.compile)"]),
+    ],
+    ids=[
+        "net_dot_compile",
+        "lightningmodule_dot_compile",
+        "forward_eq_torch_compile",
+        "net_forward_eq_torch_compile",
+        "net_eq_torch_compile_net_as_target",
+    ],
+)
+def test_users_own_compile_is_taken_over(
+    make: Any, kwargs: dict[str, Any], took_over: list[str]
+) -> None:
+    """The user's own compile of a target is switched off for the run and put back after."""
+    model = make()
+    before = {
+        n: (m.__dict__.get("forward"), m.__dict__.get("_compiled_call_impl"))
+        for n, m in model.named_modules()
+    }
+    with pytest.warns(UserWarning, match="took over the compile of"):
+        cb, _ = compare(make, lambda: guard(**kwargs), max_epochs=2)
+    assert cb.summary()["took_over"] == took_over
+    assert cb.summary()["steady_steps"] > 0 and cb.summary()["compiles"] >= 2
+    fit(model, [guard(**kwargs)], max_epochs=1)
+    after = {
+        n: (m.__dict__.get("forward"), m.__dict__.get("_compiled_call_impl"))
+        for n, m in model.named_modules()
+    }
+    assert after == before  # the user's compiles are back
+
+
+@pytest.mark.parametrize(
     ("make", "kwargs", "error", "match"),
     [
         (lambda: _lm_compiled(OneNet()), {}, GuardTrainValueError, "compiled with torch.compile"),
-        (lambda: _net_compile(OneNet()), {}, GuardTrainValueError, r"nn.Module.compile\(\)"),
-        (lambda: _lm_compile(TinyModule()), {}, GuardTrainValueError, r"nn.Module.compile\(\)"),
-        (
-            lambda: _forward_compiled(TinyModule()),
-            {},
-            GuardTrainValueError,
-            "the LightningModule has a compiled `forward` already",
-        ),
-        (
-            lambda: _net_forward_compiled(OneNet()),
-            {},
-            GuardTrainValueError,
-            "'net' has a compiled `forward` already",
-        ),
-        (
-            lambda: _net_wrapped(OneNet()),
-            {"targets": ["net"]},
-            GuardTrainValueError,
-            "torch.compile returned an OptimizedModule",
-        ),
         (
             lambda: _net_forward_lambda(OneNet()),
             {},
@@ -374,11 +398,6 @@ def forwards(model: nn.Module) -> dict[str, Any]:
     ],
     ids=[
         "torch_compile_lightningmodule",
-        "net_dot_compile",
-        "lightningmodule_dot_compile",
-        "forward_eq_torch_compile",
-        "net_forward_eq_torch_compile",
-        "net_eq_torch_compile_net_as_target",
         "forward_not_a_method",
         "unknown_target",
         "aliased_module_named_twice",
@@ -417,10 +436,10 @@ class WrappedNet(OneNet):
         return loss
 
 
-def test_child_compiled_by_the_user_is_not_refused_by_default() -> None:
-    """With ``targets=None`` a child wrapped by ``torch.compile`` is not refused (an
-    OptimizedModule's class has no own ``forward``): the LightningModule becomes the
-    target, around the user's compiled net. The results still equal eager."""
+def test_child_compiled_by_the_user_is_taken_over_by_default() -> None:
+    """With ``targets=None`` the default rule looks through a child wrapped by
+    ``torch.compile``: its original module is the target, compiled once by guardtrain
+    (H29), not the LightningModule around the user's compiled net. Equal to eager."""
     L.seed_everything(0, verbose=False)
     eager = WrappedNet()
     fit(eager, max_epochs=2)
@@ -429,7 +448,8 @@ def test_child_compiled_by_the_user_is_not_refused_by_default() -> None:
     before = forwards(model)
     cb = guard()
     fit(model, [cb], max_epochs=2)
-    assert cb.summary()["targets"] == ["<LightningModule>"]
+    assert cb.summary()["targets"] == ["net._orig_mod"]
+    assert cb.summary()["took_over"] == ["net (torch.compile)"]
     assert len(eager.losses) == len(model.losses) > 0
     for a, b in zip(eager.losses, model.losses):
         assert torch.equal(a, b)
@@ -580,13 +600,15 @@ def test_torch_without_recursive_dict_tags(monkeypatch: pytest.MonkeyPatch) -> N
         "config",
         _ConfigWithout(torch._dynamo.config, "use_recursive_dict_tags_for_guards"),
     )
-    cb = guard()
+    # Presets leave dict tags at torch's default (H22): only an explicit True asks for them.
+    cb = guard(recursive_dict_tags=True)
     with pytest.warns(UserWarning, match=r"recursive_dict_tags is switched off: needs torch>=2.9"):
         model = _compare_with_eager(cb)
     monkeypatch.undo()
     assert_restored(model)
     s = cb.summary()
     assert s["levers"]["recursive_dict_tags"] is False
+    assert [o["lever"] for o in s["switched_off"]] == ["recursive_dict_tags"]
     assert s["steady_steps"] > 0  # the other levers still work
 
 
