@@ -5,9 +5,17 @@ Add one callback::
     from guardtrain import GuardTuneCallback
     trainer = L.Trainer(callbacks=[GuardTuneCallback(preset="aggressive")])
 
+or, in a loop of your own (or with Lightning Fabric)::
+
+    from guardtrain import GuardTuner
+    with GuardTuner(model, preset="aggressive") as tuner:
+        for batch in loader:
+            with tuner.step(batch):
+                ...
+
 Importing this package has no side effects: nothing is compiled and no Dynamo
 setting changes until a run starts. torch and Lightning are imported only when
-:class:`GuardTuneCallback` is first used, so Hydra can read the bundled config
+:class:`GuardTuneCallback` or :class:`GuardTuner` is first used, so Hydra can read the bundled config
 group (``guardtrain.conf``) without loading them.
 """
 
@@ -27,6 +35,7 @@ from guardtrain.presets import PRESETS, GuardPreset
 
 if TYPE_CHECKING:  # pragma: no cover
     from guardtrain.callback import GuardTuneCallback
+    from guardtrain.tuner import GuardTuner
 
 __all__ = [
     "PRESETS",
@@ -36,6 +45,7 @@ __all__ = [
     "GuardTrainTypeError",
     "GuardTrainValueError",
     "GuardTuneCallback",
+    "GuardTuner",
     "__version__",
     "filters",
 ]
@@ -46,4 +56,8 @@ def __getattr__(name: str) -> Any:
         from guardtrain.callback import GuardTuneCallback
 
         return GuardTuneCallback
+    if name == "GuardTuner":
+        from guardtrain.tuner import GuardTuner
+
+        return GuardTuner
     raise AttributeError(f"module 'guardtrain' has no attribute {name!r}")

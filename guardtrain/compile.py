@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import re
 import sys
 import types
 from dataclasses import dataclass, field
@@ -149,6 +150,8 @@ class Assertion:
     kept: bool
     """Whether the guard filter kept the guard (a dropped one needs a recompile)."""
     expr: types.CodeType = field(compare=False)
+    label: str = field(default="", compare=False)
+    """The same path as the user knows it (``net.drop.p``); see :func:`user_path`."""
 
     def holds(self, scope: dict[str, Any]) -> bool:
         """Evaluate the expression now and compare with what was asserted."""
@@ -169,11 +172,22 @@ class Assertion:
             current = eval(self.expr, {}, scope)
         except Exception as err:
             current = f"<{type(err).__name__}>"
+        name = self.label or self.name
         if self.kind == "value":
-            return f"{self.name}: {self.value!r} -> {current!r}"
+            return f"{name}: {self.value!r} -> {current!r}"
         if self.kind == "empty":
-            return f"{self.name}: hooks added ({len(current)})"  # type: ignore[arg-type]
-        return f"{self.name}: {self.kind} changed"
+            return f"{name}: hooks added ({len(current)})"  # type: ignore[arg-type]
+        return f"{name}: {self.kind} changed"
+
+
+_SUBSCRIPT = re.compile(r"\.(?:_modules|_parameters|_buffers|__dict__)\[(['\"])([^'\"]+)\1\]")
+
+
+def user_path(text: str, target: str) -> str:
+    """Name guard sources by the path the user knows: ``bound.__self__._modules['drop'].p``
+    becomes ``net.drop.p`` for the target ``net`` (``self.drop.p`` for the root)."""
+    text = text.replace(f"{_CLOSURE_NAME}.__self__", target or "self")
+    return _SUBSCRIPT.sub(lambda m: "." + m.group(2), text)
 
 
 _RECORDED = {
@@ -444,9 +458,9 @@ class CompiledTarget:
                 expr = compile(name, "<guard>", "eval")
             except SyntaxError:
                 continue
-            recorded.append(Assertion(name, kind, value, kept, expr))
+            recorded.append(Assertion(name, kind, value, kept, expr, user_path(name, self.name)))
         self.assertions.append(tuple(recorded))
-        self._on_compile(self, reason)
+        self._on_compile(self, None if reason is None else user_path(reason, self.name))
         return keep
 
     def cache_entries(self) -> int:

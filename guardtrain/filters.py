@@ -14,7 +14,11 @@ guards whose loss cannot be repaired by a re-check between batches:
 * the shape environment (symbolic shapes);
 * every guard on the inputs of the compiled frame (tensor metadata of the
   arguments, the structure of containers passed in);
-* ``.training`` flags of modules, so ``eval()`` recompiles.
+* ``.training`` flags of modules, so ``eval()`` recompiles;
+* the values of bool, int, float and str attributes that the compiled code
+  reads (H19), so a changed scalar recompiles instead of running a stale
+  constant. Under the stance these are skipped like every other guard; the
+  boundary re-check and audits catch a change made there.
 
 Example:
     >>> from guardtrain import filters
@@ -88,10 +92,24 @@ def _is_nn_module_source(entry: GuardFilterEntry) -> bool:
     return bool(check()) if check is not None else False
 
 
+_SCALARS = (bool, int, float, str)
+_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
+
+
 def _floor_keeps(entry: GuardFilterEntry) -> bool:
     if entry.guard_type in FLOOR_GUARD_TYPES:
         return True
     if entry.name.endswith(".training"):
+        return True
+    if (
+        entry.guard_type in _VALUE_GUARDS
+        and not entry.is_global
+        and entry.has_value
+        and type(entry.value) in _SCALARS
+    ):
+        # A bool, int, float or str attribute read in `forward` (an annealed
+        # temperature, H19): a change recompiles (and Dynamo then makes a float
+        # an input) instead of running a stale constant.
         return True
     # Guards on the frame's inputs: neither a global nor reached through a module.
     return not entry.is_global and bool(entry.name) and not _is_nn_module_source(entry)

@@ -38,6 +38,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from helpers import stance_on
 from torch import nn
 
 from guardtrain import GuardTrainError, GuardTuneCallback
@@ -115,7 +116,12 @@ class Scenario:
 
 
 class Net(nn.Module):
-    """Linear -> BatchNorm -> ReLU -> Dropout -> Linear, times a float ``scale``."""
+    """Linear -> BatchNorm -> ReLU -> Dropout -> Linear, times a float ``scale``.
+
+    Not :class:`helpers.Net`: the events set ``scale`` (a float attribute read in
+    ``forward``) and name ``lin1``, ``lin2`` and ``bn``; the planned batches have 4
+    features.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -192,7 +198,8 @@ class FuzzModule(L.LightningModule):
         seed = 1000 + rec.calls
         net = self.net
         if self.guard is not None:
-            rec.phases.append(self.guard._machine.phase(loop) if self.guard._active else "-")
+            engine = self.guard.engine
+            rec.phases.append(engine.machine.phase(loop) if engine.active else "-")
         buffers = list(net.buffers())
         before = [b.detach().clone() for b in buffers]
         where = f"call {rec.calls} ({loop}, training={net.training}, x={tuple(x.shape)} {x.dtype})"
@@ -333,7 +340,7 @@ class FuzzModule(L.LightningModule):
             torch._dynamo.reset()
         else:  # pragma: no cover
             raise ValueError(kind)
-        stance = bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+        stance = stance_on()
         self.record.stance_at_events.append(stance)
         self.record.history.append(f"{label}: {event}" + (" (stance on)" if stance else ""))
         if event.where == "batch" and kind in BOUNDARY:
@@ -456,15 +463,5 @@ def run_scenario(
     loader.trainer = trainer
     trainer.fit(model, loader, val_batches(scenario.val_sizes) if scenario.val_sizes else None)
     expected = len(scenario.epochs) * per_epoch
-    assert guard._train_batches() == expected, (guard._train_batches(), expected)
+    assert guard.engine.train_batches() == expected, (guard.engine.train_batches(), expected)
     return record, guard, model
-
-
-def assert_clean(model: nn.Module | None = None) -> None:
-    """The callback left no trace (stance, Dynamo config, compiled forwards)."""
-    assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False
-    assert torch._dynamo.config.install_free_tensors is False
-    assert torch._dynamo.config.use_recursive_dict_tags_for_guards is False
-    if model is not None:
-        for name, module in model.named_modules():
-            assert "forward" not in module.__dict__, f"{name or 'root'} kept a compiled forward"

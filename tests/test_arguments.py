@@ -1,62 +1,181 @@
-"""Every bad argument fails in the constructor, naming the argument, the value, the fix."""
+"""Every bad argument fails in the constructor, naming the argument, the value, the fix.
+
+The table is checked against ``GuardTuneCallback`` and ``GuardTuner``; bad values given
+through Hydra are in ``test_hydra.py``, bad models (refused when the run starts) in
+``test_faults_models.py``.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from torch import nn
 
-from guardtrain import PRESETS, GuardTrainError, GuardTuneCallback
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"preset": "fast"}, ValueError, r"`preset` must be one of \['off', 'safe'.* got 'fast'"),
-        ({"preset": 3}, TypeError, r"`preset` must be one of"),
-        ({"warmup_steps": -1}, ValueError, r"`warmup_steps` must be >= 0, got -1"),
-        ({"warmup_steps": 2.5}, TypeError, r"`warmup_steps` must be an int, got 2.5"),
-        ({"stable_steps": 0}, ValueError, r"`stable_steps` must be >= 1, got 0"),
-        ({"use_stance": "yes"}, TypeError, r"`use_stance` must be a bool, got 'yes'"),
-        ({"install_free_tensors": 1}, TypeError, r"`install_free_tensors` must be a bool"),
-        ({"recursive_dict_tags": "no"}, TypeError, r"`recursive_dict_tags` must be a bool or None"),
-        ({"recursive_dict_tags": 1}, TypeError, r"`recursive_dict_tags` must be a bool or None"),
-        ({"guard_filter": "nope"}, ValueError, r"unknown filter 'nope'; known filters"),
-        ({"guard_filter": 42}, TypeError, r"`guard_filter` must be a filter name"),
-        ({"unsafe_drop_floor": "x"}, TypeError, r"`unsafe_drop_floor` must be a bool"),
-        ({"targets": 3}, TypeError, r"`targets` must be None, a name or a list"),
-        ({"targets": []}, ValueError, r"`targets` must hold submodule names"),
-        ({"targets": ["a", 1]}, ValueError, r"`targets` must hold submodule names"),
-        ({"compile_kwargs": []}, TypeError, r"`compile_kwargs` must be a dict"),
-        ({"compile_kwargs": {"fullgrap": True}}, ValueError, r"unknown key\(s\) \['fullgrap'\]"),
-        ({"compile_kwargs": {"mode": "fast"}}, ValueError, r"`compile_kwargs\['mode'\]` must be"),
-        (
-            {"compile_kwargs": {"backend": "eager", "mode": "max-autotune"}},
-            ValueError,
-            r"works only with backend='inductor'",
-        ),
-        (
-            {"compile_kwargs": {"backend": "eager", "options": {"max_autotune": True}}},
-            ValueError,
-            r"are inductor options, but backend='eager'",
-        ),
-        ({"compile_kwargs": {"fullgraph": "yes"}}, TypeError, r"`compile_kwargs\['fullgraph'\]`"),
-        ({"compile_kwargs": {"dynamic": 1}}, TypeError, r"`compile_kwargs\['dynamic'\]`"),
-        ({"compile_kwargs": {"backend": 5}}, TypeError, r"`compile_kwargs\['backend'\]`"),
-        (
-            {
-                "guard_filter": "skip_globals",
-                "compile_kwargs": {"options": {"guard_filter_fn": len}},
-            },
-            ValueError,
-            r"guard filter was passed twice",
-        ),
-    ],
+from guardtrain import (
+    PRESETS,
+    GuardTrainError,
+    GuardTrainTypeError,
+    GuardTrainValueError,
+    GuardTuneCallback,
+    GuardTuner,
 )
-def test_bad_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
+
+#: Every bad constructor argument: (kwargs, error, message pattern). ``GuardTuneCallback``
+#: and ``GuardTuner`` take the same keyword arguments and refuse each the same way.
+BAD_ARGUMENTS: list[tuple[dict[str, Any], type[GuardTrainError], str]] = [
+    # preset
+    (
+        {"preset": "fast"},
+        GuardTrainValueError,
+        r"`preset` must be one of \['off', 'safe'.* got 'fast'",
+    ),
+    ({"preset": "Balanced"}, GuardTrainValueError, r"`preset` must be one of"),
+    ({"preset": 3}, GuardTrainTypeError, r"`preset` must be one of"),
+    # step counts
+    ({"warmup_steps": -1}, GuardTrainValueError, r"`warmup_steps` must be >= 0, got -1"),
+    ({"warmup_steps": 2.5}, GuardTrainTypeError, r"`warmup_steps` must be an int, got 2.5"),
+    ({"warmup_steps": True}, GuardTrainTypeError, r"`warmup_steps` must be an int, got True"),
+    ({"stable_steps": 0}, GuardTrainValueError, r"`stable_steps` must be >= 1, got 0"),
+    ({"stable_steps": -2}, GuardTrainValueError, r"`stable_steps` must be >= 1, got -2"),
+    # flags
+    ({"use_stance": "yes"}, GuardTrainTypeError, r"`use_stance` must be a bool, got 'yes'"),
+    ({"install_free_tensors": 1}, GuardTrainTypeError, r"`install_free_tensors` must be a bool"),
+    (
+        {"recursive_dict_tags": "no"},
+        GuardTrainTypeError,
+        r"`recursive_dict_tags` must be a bool or None",
+    ),
+    (
+        {"recursive_dict_tags": 1},
+        GuardTrainTypeError,
+        r"`recursive_dict_tags` must be a bool or None",
+    ),
+    ({"unsafe_drop_floor": "x"}, GuardTrainTypeError, r"`unsafe_drop_floor` must be a bool"),
+    ({"log_metrics": 1}, GuardTrainTypeError, r"`log_metrics` must be a bool"),
+    ({"guard_collectives": "on"}, GuardTrainTypeError, r"`guard_collectives` must be a bool"),
+    # audits and verify batches
+    (
+        {"audit_every": 0},
+        GuardTrainValueError,
+        r"`audit_every` must be >= 1 \(or None to disable\), got 0",
+    ),
+    ({"verify_every": 1.5}, GuardTrainTypeError, r"`verify_every` must be an int or None, got 1.5"),
+    ({"verify_rtol": -1.0}, GuardTrainValueError, r"`verify_rtol` must be a number >= 0, got -1.0"),
+    # guard_filter
+    ({"guard_filter": "nope"}, GuardTrainValueError, r"unknown filter 'nope'; known filters"),
+    (
+        {"guard_filter": ["skip_all_nn_modules", "nope"]},
+        GuardTrainValueError,
+        r"unknown filter 'nope'",
+    ),
+    ({"guard_filter": 42}, GuardTrainTypeError, r"`guard_filter` must be a filter name"),
+    (
+        {"guard_filter": ["skip_all_nn_modules", 3]},
+        GuardTrainTypeError,
+        r"`guard_filter` must be a filter name, a callable",
+    ),
+    ({"guard_filter": object()}, GuardTrainTypeError, r"`guard_filter` must be a filter name"),
+    # targets
+    ({"targets": 3}, GuardTrainTypeError, r"`targets` must be None, a name or a list"),
+    ({"targets": b"net"}, GuardTrainTypeError, r"`targets` must be None, a name or a list"),
+    ({"targets": {"net": 1}}, GuardTrainTypeError, r"`targets` must be None, a name"),
+    ({"targets": []}, GuardTrainValueError, r"`targets` must hold submodule names"),
+    ({"targets": ["a", 1]}, GuardTrainValueError, r"`targets` must hold submodule names"),
+    # compile_kwargs
+    ({"compile_kwargs": []}, GuardTrainTypeError, r"`compile_kwargs` must be a dict"),
+    (
+        {"compile_kwargs": {"fullgrap": True}},
+        GuardTrainValueError,
+        r"unknown key\(s\) \['fullgrap'\]",
+    ),
+    (
+        {"compile_kwargs": {"mode": "fast"}},
+        GuardTrainValueError,
+        r"`compile_kwargs\['mode'\]` must be",
+    ),
+    (
+        {"compile_kwargs": {"backend": "eager", "mode": "max-autotune"}},
+        GuardTrainValueError,
+        r"works only with backend='inductor'",
+    ),
+    (
+        {"compile_kwargs": {"backend": "eager", "mode": "default"}},
+        GuardTrainValueError,
+        r"works only with backend='inductor'",
+    ),
+    (
+        {"compile_kwargs": {"backend": "eager", "options": {"max_autotune": True}}},
+        GuardTrainValueError,
+        r"are inductor options, but backend='eager'",
+    ),
+    (
+        {"compile_kwargs": {"options": ["max_autotune"]}},
+        GuardTrainTypeError,
+        r"`compile_kwargs\['options'\]` must be a dict",
+    ),
+    (
+        {"compile_kwargs": {"fullgraph": "yes"}},
+        GuardTrainTypeError,
+        r"`compile_kwargs\['fullgraph'\]`",
+    ),
+    ({"compile_kwargs": {"dynamic": 1}}, GuardTrainTypeError, r"`compile_kwargs\['dynamic'\]`"),
+    ({"compile_kwargs": {"backend": 5}}, GuardTrainTypeError, r"`compile_kwargs\['backend'\]`"),
+    (
+        {
+            "guard_filter": "skip_globals",
+            "compile_kwargs": {"options": {"guard_filter_fn": len}},
+        },
+        GuardTrainValueError,
+        r"guard filter was passed twice",
+    ),
+]
+
+
+def _bad_argument_id(row: tuple[dict[str, Any], type, str]) -> str:
+    return "-".join(f"{key}={value!r}" for key, value in row[0].items())
+
+
+@pytest.mark.parametrize("constructor", ["GuardTuneCallback", "GuardTuner"])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"), BAD_ARGUMENTS, ids=[_bad_argument_id(r) for r in BAD_ARGUMENTS]
+)
+def test_bad_arguments(
+    kwargs: dict[str, Any], error: type[GuardTrainError], match: str, constructor: str
+) -> None:
+    """Refused in the constructor, with the error class and a message naming the argument.
+
+    ``GuardTuner`` raises what ``GuardTuneCallback`` raises: the same class, the same message.
+    """
     with pytest.raises(error, match=match) as info:
-        GuardTuneCallback(**kwargs)
+        if constructor == "GuardTuneCallback":
+            GuardTuneCallback(**kwargs)
+        else:
+            GuardTuner(nn.Linear(2, 2), **kwargs)
     assert isinstance(info.value, GuardTrainError)
+    if constructor == "GuardTuner":
+        with pytest.raises(GuardTrainError) as from_callback:
+            GuardTuneCallback(**kwargs)
+        assert type(info.value) is type(from_callback.value)
+        assert str(info.value) == str(from_callback.value)
+
+
+def test_zero_warmup_steps_is_accepted() -> None:
+    cb = GuardTuneCallback(warmup_steps=0)
+    assert cb.settings.warmup_steps == 0
+
+
+def test_mode_with_options_that_contradict_it() -> None:
+    """No error: the mode is expanded into inductor options and explicit ``options`` win."""
+    from guardtrain.compile import build_compile_kwargs
+    from guardtrain.filters import keep_all
+
+    cb = GuardTuneCallback(
+        compile_kwargs={"mode": "max-autotune", "options": {"max_autotune": False}}
+    )
+    built = build_compile_kwargs(cb.compile_kwargs, keep_all)
+    assert built["options"]["max_autotune"] is False
+    assert "mode" not in built
 
 
 def test_explicit_arguments_override_the_preset() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import EAGER, fit
+from helpers import TinyModule, assert_same_run, fit, guard
 from torch import nn
 
 from guardtrain import GuardTuneCallback
@@ -17,7 +17,12 @@ CHANGE_AT = 10
 
 
 class Gain(L.LightningModule):
-    """Checks every compiled output against the plain forward on the same input."""
+    """Checks every compiled output against the plain forward on the same input.
+
+    Not :class:`helpers.NetModule`: the second, plain forward of each batch must give
+    the same output, so the network has no Dropout (another mask) and no BatchNorm
+    (batch statistics updated twice), and it reads the module global ``GAIN``.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,9 +52,7 @@ class SetGain(L.Callback):
 
 def run(**kwargs: Any) -> tuple[Gain, GuardTuneCallback]:
     model = Gain()
-    cb = GuardTuneCallback(
-        "aggressive", warmup_steps=3, stable_steps=2, targets=[""], compile_kwargs=EAGER, **kwargs
-    )
+    cb = guard(targets=[""], **kwargs)
     fit(model, [cb, SetGain()], data={"n_train": 16 * 30}, max_epochs=1, limit_val_batches=0)
     return model, cb
 
@@ -86,37 +89,12 @@ def test_verify_batch_catches_a_difference_from_eager() -> None:
 
 def test_verify_leaves_training_unchanged() -> None:
     """A verify batch restores RNG and buffers: the run equals one without verification."""
-    from conftest import TinyModule, assert_same_run
-
     L.seed_everything(0, verbose=False)
     plain = TinyModule()
-    fit(
-        plain,
-        [GuardTuneCallback("aggressive", warmup_steps=3, stable_steps=2, compile_kwargs=EAGER)],
-    )
+    fit(plain, [guard()])
     L.seed_everything(0, verbose=False)
     verified = TinyModule()
-    cb = GuardTuneCallback(
-        "aggressive", warmup_steps=3, stable_steps=2, compile_kwargs=EAGER, verify_every=1
-    )
+    cb = guard(verify_every=1)
     fit(verified, [cb])
     assert_same_run(plain, verified)
     assert not [r for r in cb.summary()["rearms"] if "verify" in r["reason"]]
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        (
-            {"audit_every": 0},
-            ValueError,
-            r"`audit_every` must be >= 1 \(or None to disable\), got 0",
-        ),
-        ({"verify_every": 1.5}, TypeError, r"`verify_every` must be an int or None, got 1.5"),
-        ({"verify_rtol": -1.0}, ValueError, r"`verify_rtol` must be a number >= 0, got -1.0"),
-        ({"guard_collectives": "on"}, TypeError, r"`guard_collectives` must be a bool"),
-    ],
-)
-def test_bad_audit_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
-    with pytest.raises(error, match=match):
-        GuardTuneCallback(**kwargs)

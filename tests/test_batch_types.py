@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import lightning as L
 import pytest
 import torch
-from conftest import TinyModule, assert_same_run, guard, make_trainer
+from helpers import TinyModule, assert_same_run, guard, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from guardtrain.monitor import batch_signature, describe_signature

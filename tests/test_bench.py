@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -90,7 +92,91 @@ def test_table_prints(tiny_run: tuple[dict[str, Any], str]) -> None:
     for config in bench.CONFIGS:
         assert any(f"| {config} " in line for line in lines), config
     assert "NO (unsound)" in table
-    assert "target mlp/aggressive lookup_vs_compile" in table
+    # Results only: the project's targets are checked with --check.
+    assert "target " not in table and "NOT met" not in table
+
+
+def test_json_has_no_targets_without_check(tiny_run: tuple[dict[str, Any], str]) -> None:
+    data, _ = tiny_run
+    assert "targets" not in data
+
+
+def test_check_targets_lines(tiny_run: tuple[dict[str, Any], str]) -> None:
+    data, _ = tiny_run
+    checked = bench.check_targets(data["results"])
+    assert {(t["config"], t["what"]) for t in checked} == {
+        (config, what) for config, what, _ in bench.TARGETS
+    }
+    for t in checked:
+        assert t["met"] is (t["value"] <= t["bound"])
+    assert "target mlp/aggressive lookup_vs_compile" in bench.format_checks(checked)
+
+
+@pytest.mark.parametrize("met", [True, False])
+def test_check_flag_prints_targets_and_sets_the_exit_status(
+    tiny_run: tuple[dict[str, Any], str],
+    met: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    data, _ = tiny_run
+    ran = copy.deepcopy(data)
+    for r in ran["results"]:  # every target met, or every one missed
+        r["ratios"] = {k: (0.0 if met else 9.0) for k in r["ratios"]}
+    ran.pop("wall_s", None)
+    monkeypatch.setattr(bench.measure, "run_bench", lambda options: copy.deepcopy(ran))
+    out = tmp_path / "check.json"
+    code = bench.main([*FAST, "--model", "mlp", "--tiny", "--check", "--json", str(out)])
+    assert code == (0 if met else 1)
+    printed = capsys.readouterr().out
+    assert "target mlp/aggressive lookup_vs_compile <= 0.05" in printed
+    assert ("NOT met" in printed) is not met
+    targets = json.loads(out.read_text())["targets"]
+    assert len(targets) == len(bench.TARGETS) and all(t["met"] is met for t in targets)
+
+
+def test_check_flag_fails_when_nothing_could_be_checked(
+    tiny_run: tuple[dict[str, Any], str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    data, _ = tiny_run
+    ran = copy.deepcopy(data)
+    ran["results"] = [r for r in ran["results"] if r["config"] == "eager"]
+    monkeypatch.setattr(bench.measure, "run_bench", lambda options: copy.deepcopy(ran))
+    assert bench.main([*FAST, "--model", "mlp", "--configs", "eager", "--check"]) == 1
+    assert "none could be checked" in capsys.readouterr().out
+
+
+def test_callback_cost_output_is_results_only() -> None:
+    data = {
+        "torch": torch.__version__,
+        "preset": "aggressive",
+        "iterations": 10,
+        "repeats": 1,
+        "us_per_step": {"hooks (on_train_batch_start + on_train_batch_end)": 2.5, "x": 1.0},
+        "audit_every": 200,
+    }
+    text = bench.format_callback_cost(data)
+    assert "2.50 µs" in text and "target" not in text
+    assert bench.check_callback_cost(data) == (False, "target <= 2.0 µs per step: 2.50 µs, NOT met")
+    data["us_per_step"] = {"hooks": 1.5}
+    assert bench.check_callback_cost(data)[0] is True
+
+
+def test_python_dash_m_runs_the_command() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "guardtrain.bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "python -m guardtrain.bench" in done.stdout
+    for option in ("--check", "--callback-cost", "--quick", "--configs", "--plot"):
+        assert option in done.stdout, option
 
 
 def test_user_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

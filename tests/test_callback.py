@@ -8,7 +8,9 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import (
+from helpers import (
+    PhaseSpy,
+    Predicting,
     TinyModule,
     assert_restored,
     assert_same_run,
@@ -321,16 +323,11 @@ def test_checkpoint_save_and_resume(tmp_path: Any) -> None:
     )
     train, val = loaders()
     model2 = TinyModule()
-    phases: list[str] = []
-
-    class Spy(L.Callback):
-        def on_train_batch_start(self, *args: Any) -> None:
-            phases.append(resumed.phase)
-
-    trainer.callbacks.append(Spy())
+    spy = PhaseSpy(resumed)
+    trainer.callbacks.append(spy)
     trainer.fit(model2, train, val, ckpt_path=str(tmp_path / "last.ckpt"))
-    assert phases[0] == "warmup"
-    assert "steady" in phases
+    assert spy.phases[0] == "warmup"
+    assert "steady" in spy.phases
     s = resumed.summary()
     assert s["compiles"] > first["compiles"]
     assert s["warmup_steps_taken"] + s["steady_steps"] == 3 * 7
@@ -357,14 +354,6 @@ def test_kill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     s = cb.summary()
     assert s["disabled"] and s["compiles"] == 0 and s["phase"] == "off"
     assert_restored(model)
-
-
-class Predicting(TinyModule):
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(batch[0])
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self.validation_step(batch, batch_idx)
 
 
 @pytest.mark.parametrize("stage", ["validate", "test", "predict"])

@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyModule, fit, guard
+from helpers import TinyModule, fit, guard
 
 from guardtrain import PRESETS, GuardTuneCallback
 

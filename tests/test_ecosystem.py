@@ -14,43 +14,20 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyModule, assert_restored, compare, guard, loaders, make_trainer
+from helpers import (
+    Net,
+    NetModule,
+    OptimizedModule,
+    Predicting,
+    assert_restored,
+    compare,
+    guard,
+    loaders,
+    make_trainer,
+)
 from torch import nn
 
 import guardtrain.compile
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 16)
-        self.bn = nn.BatchNorm1d(16)
-        self.drop = nn.Dropout(0.3)
-        self.out = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.drop(torch.relu(self.bn(self.lin(x)))))
-
-
-class NetModule(TinyModule):
-    """TinyModule whose ``forward`` delegates to ``self.net`` (the default target)."""
-
-    def __init__(self, compile_net: bool = False) -> None:
-        super().__init__()
-        del self.backbone, self.head
-        self.net = Net()
-        self.compile_net = compile_net
-
-    def setup(self, stage: str) -> None:
-        # The lightning-hydra-template's `compile=true`, in the module's own setup (H29).
-        if self.compile_net and stage == "fit" and not isinstance(self.net, OptimizedModule):
-            self.net = torch.compile(self.net, backend="eager")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
 
 
 def snapshot(net: nn.Module) -> dict[str, torch.Tensor]:
@@ -218,13 +195,8 @@ def test_a_target_that_never_compiles_never_enters_the_stance() -> None:
     assert s["stance_blocked"] is not None
 
 
-class Predicting(NetModule):
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.val_losses.append(nn.functional.mse_loss(self(x), y).detach().clone())
-
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(batch[0])
+class NetPredicting(Predicting, NetModule):
+    """:class:`helpers.Predicting` on :class:`helpers.NetModule` (one child target, ``net``)."""
 
 
 @pytest.mark.parametrize("inference_mode", [False, True])
@@ -236,7 +208,7 @@ def test_validate_test_predict_after_fit(
     callbacks: dict[str, Any] = {}
     for run in ("eager", "guarded"):
         L.seed_everything(0, verbose=False)
-        model = Predicting()
+        model = NetPredicting()
         cb = guard() if run == "guarded" else None
         trainer = make_trainer([cb] if cb else [], inference_mode=inference_mode)
         train, val = loaders()
@@ -263,7 +235,7 @@ def test_validate_test_predict_after_fit(
 
 
 def test_summary_is_logged_once_per_trainer_call(caplog: pytest.LogCaptureFixture) -> None:
-    model = Predicting()
+    model = NetPredicting()
     cb = guard()
     trainer = make_trainer([cb], max_epochs=1)
     train, val = loaders()

@@ -49,16 +49,24 @@ def test_floor_keeps_training_global_state_and_inputs(entries: list[Any]) -> Non
     assert any(n.endswith("['drop'].training") for n in keep)
     assert {"GRAD_MODE", "GLOBAL_STATE", "SHAPE_ENV", "DEFAULT_DEVICE"} <= keep
     assert "x" in keep  # the input tensor's metadata
-    assert not any(n.endswith(".scale") or n.endswith(".p") for n in keep)
+    # Scalar attributes read in forward (H19) are part of the floor ...
+    assert {"self.scale", "self._modules['drop'].p"} <= keep
+    # ... while identity, type, hook and tensor guards on modules are not.
+    assert not any(
+        n.endswith("._parameters['weight']") or n.endswith("_forward_hooks") for n in keep
+    )
+    assert "self._modules['lin']" not in keep
 
 
 def test_named_filter_drops_module_guards_and_floor_restores_training(entries: list[Any]) -> None:
     f = filters.resolve("skip_all_nn_modules")
     plain = kept(f, entries)
     assert not any(n.endswith(".training") for n in plain)
+    assert not any(n.endswith(".scale") for n in plain)
     floored = kept(filters.with_floor(f), entries)
     assert any(n.endswith(".training") for n in floored)
-    assert not any(n.endswith(".scale") for n in floored)
+    assert any(n.endswith(".scale") for n in floored)  # a scalar read in forward (H19)
+    assert not any(n.endswith("._parameters['weight']") for n in floored)
 
 
 def test_all_of_adds_drops_and_any_of_adds_keeps(entries: list[Any]) -> None:

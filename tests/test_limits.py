@@ -8,10 +8,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import EAGER, TinyModule, assert_same_run, make_trainer
+from helpers import EAGER, TinyModule, assert_same_run, guard, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
-
-from guardtrain import GuardTuneCallback
 
 
 def varying_loader() -> DataLoader:
@@ -45,12 +43,7 @@ def low_limit() -> Any:
 
 def test_stance_stays_off_after_the_recompile_limit(low_limit: Any) -> None:
     eager = run([])
-    cb = GuardTuneCallback(
-        "aggressive",
-        warmup_steps=3,
-        stable_steps=2,
-        compile_kwargs={**EAGER, "dynamic": False},
-    )
+    cb = guard(compile_kwargs={**EAGER, "dynamic": False})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         guarded = run([cb])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from guardtrain.phases import PhaseMachine
+from guardtrain.engine.phases import PhaseMachine
 
 
 def test_training_needs_warmup_and_stable_batches() -> None:

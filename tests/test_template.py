@@ -33,7 +33,7 @@ pytest.importorskip("hydra", reason="the Hydra integration needs hydra-core (gua
 
 import lightning as L
 import torch
-from conftest import assert_restored
+from helpers import assert_restored
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig

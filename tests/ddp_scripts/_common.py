@@ -68,7 +68,7 @@ class Batches(Dataset):
 
 
 class TinyDDPModule(L.LightningModule):
-    """Linear -> BatchNorm -> ReLU -> Dropout -> Linear, as tests/conftest.py's TinyModule.
+    """Linear -> BatchNorm -> ReLU -> Dropout -> Linear, as tests/helpers.py's TinyModule.
 
     Data is made per rank in the dataloader hooks (``use_distributed_sampler=False``).
 

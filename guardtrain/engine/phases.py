@@ -32,12 +32,41 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-__all__ = ["LOOPS", "PHASE_NUMBERS", "LoopState", "PhaseMachine"]
+__all__ = ["LOOPS", "PHASE_NUMBERS", "Loop", "LoopState", "Phase", "PhaseMachine"]
 
-LOOPS = ("train", "validate", "test", "predict")
-PHASE_NUMBERS = {"off": 0, "warmup": 1, "steady": 2}
+
+class Loop(str, Enum):
+    """The loops a run has. Members compare equal to their plain ``str`` values."""
+
+    TRAIN = "train"
+    VALIDATE = "validate"
+    TEST = "test"
+    PREDICT = "predict"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __hash__ = str.__hash__  # interchangeable with its value in dicts and sets
+
+
+class Phase(str, Enum):
+    """A loop's phase. Members compare equal to their plain ``str`` values."""
+
+    OFF = "off"
+    WARMUP = "warmup"
+    STEADY = "steady"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __hash__ = str.__hash__  # interchangeable with its value in dicts and sets
+
+
+LOOPS: tuple[str, ...] = tuple(loop.value for loop in Loop)
+PHASE_NUMBERS = {Phase.OFF.value: 0, Phase.WARMUP.value: 1, Phase.STEADY.value: 2}
 
 
 @dataclass(slots=True)
@@ -157,7 +186,7 @@ class PhaseMachine:
                 state.last_signature = None
         record: dict[str, Any] = {"step": int(step), "reason": reason}
         if loop is not None:
-            record["loop"] = loop
+            record["loop"] = str(loop)
         if rank is not None:
             record["rank"] = rank
         self.rearms.append(record)

@@ -1,0 +1,112 @@
+"""``guardtrain bench``: guard overhead of each preset, side by side, in one process.
+
+Run ``python -m guardtrain.bench --help`` (or the ``guardtrain bench`` console
+script). Every configuration of every model is built once, warmed up, and then
+measured in *interleaved* rounds: in each repeat, each metric is measured for
+every configuration in turn (the order rotates from repeat to repeat), so slow
+drifts of a shared machine hit all configurations alike. The table reports the
+median over repeats and the spread (``±``: half the range, as a % of the
+median); ratios are medians of the per-repeat ratios (paired samples).
+
+Configurations:
+
+* ``eager``: no compile.
+* ``compile``: ``torch.compile`` with its defaults (``torch.compile(model)``;
+  for ``regional``, ``block.compile()`` on every block: the blocks share one
+  code object and one cache).
+* ``off``, ``safe``, ``balanced``, ``aggressive``: the presets, with the levers
+  the engine resolves for them on this torch (:func:`~guardtrain.bench.runner.preset_levers`:
+  a :class:`~guardtrain.engine.core.GuardEngine` set up as for a run): one
+  :class:`~guardtrain.compile.CompiledTarget` per target with the preset's
+  filter and soundness floor and ``install_free_tensors``; Dynamo config values
+  and (``use_stance``) ``skip_guard_eval_unsafe`` set through a
+  :class:`~guardtrain.engine.session.StanceSession` only while the
+  configuration runs; the stance entered after warm-up unless
+  :func:`guardtrain.engine.decisions.blocker` says no, with the targets'
+  per-call ``training`` check and miss handler on.
+* ``floor``: ``torch.compiler.skip_all_guards_unsafe`` + ``install_free_tensors``:
+  the unsound lower limit, for reference. It keeps Dynamo's one global-state
+  guard (grad mode, autocast), so that the training step and the ``no_grad``
+  call get graphs of their own: without it the first graph compiled serves
+  both (the ``no_grad`` calls would run the training graph).
+
+Metrics per configuration: ``guard_us`` and ``pregraph_us`` (profiler events
+``TorchDynamo Cache Lookup`` and ``Pregraph bytecode`` in a short profiled
+window of ``no_grad`` calls in training mode; per model call, i.e. summed over
+its compiled frames, 12 for ``regional``; each frame's median over the window,
+see :mod:`guardtrain.overhead`), ``call_us`` (a whole ``no_grad`` call, without
+the profiler), ``step_us`` (forward, backward, ``SGD.step``), ``compiles``
+(Dynamo frame compiles during warm-up and measurement) and ``matches_eager``:
+after the measurements (training mode), the model is switched to ``eval()``
+and called under ``no_grad``; the output must equal the uncompiled model's
+with the same weights. ``floor`` fails this on models with dropout: it reuses
+the training-mode graph.
+
+``call_us`` and ``step_us`` time every call on its own and take the median of
+the window; within a repeat the configurations take turns every
+:data:`CALL_CHUNK` calls (:data:`STEP_CHUNK` steps), so each sees the same load.
+
+The models run with one intra-op thread by default (``--threads``): on a
+machine with 2 shared cores, two OpenMP threads spin against other processes
+(a 32x64 @ 64x64 matmul took 22 ms with 2 threads, 34 µs with 1).
+
+The output shows results only; ``--check`` also checks the project's
+performance targets (:mod:`guardtrain.bench.checks`) and exits with status 1
+when one is missed.
+
+Modules: :mod:`~guardtrain.bench.models` (configurations and models),
+:mod:`~guardtrain.bench.runner` (one configuration), :mod:`~guardtrain.bench.measure`
+(the interleaved run), :mod:`~guardtrain.bench.report` (table, JSON, plot),
+:mod:`~guardtrain.bench.checks` (targets), :mod:`~guardtrain.bench.cost`
+(``--callback-cost``), :mod:`~guardtrain.bench.command` (the command line).
+"""
+
+from __future__ import annotations
+
+from guardtrain.bench.checks import TARGETS, check_callback_cost, check_targets, format_checks
+from guardtrain.bench.command import cli, main
+from guardtrain.bench.cost import callback_cost, format_callback_cost
+from guardtrain.bench.measure import (
+    CALL_CHUNK,
+    METRICS,
+    STEP_CHUNK,
+    BenchOptions,
+    Progress,
+    run_bench,
+)
+from guardtrain.bench.models import (
+    CONFIGS,
+    MODELS,
+    QUICK_MODELS,
+    BenchModel,
+    build_model,
+    parse_configs,
+)
+from guardtrain.bench.report import format_table, plot
+from guardtrain.bench.runner import Runner
+
+__all__ = [
+    "CALL_CHUNK",
+    "CONFIGS",
+    "METRICS",
+    "MODELS",
+    "QUICK_MODELS",
+    "STEP_CHUNK",
+    "TARGETS",
+    "BenchModel",
+    "BenchOptions",
+    "Progress",
+    "Runner",
+    "build_model",
+    "callback_cost",
+    "check_callback_cost",
+    "check_targets",
+    "cli",
+    "format_callback_cost",
+    "format_checks",
+    "format_table",
+    "main",
+    "parse_configs",
+    "plot",
+    "run_bench",
+]

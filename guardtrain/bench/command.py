@@ -1,0 +1,169 @@
+"""The command line: ``guardtrain bench [options]`` and ``python -m guardtrain.bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from guardtrain.bench import checks, cost, measure, report
+from guardtrain.bench.models import CONFIGS, MODELS, QUICK_MODELS, check_model_specs, parse_configs
+from guardtrain.errors import GuardTrainValueError
+from guardtrain.presets import PRESETS
+
+__all__ = ["cli", "main"]
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Measure guard, pre-graph, whole-call and training-step time of eager, "
+            "torch.compile, the guardtrain presets and the unsound floor, interleaved "
+            "in one process."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME",
+        help=f"{', '.join(MODELS)} or package.module:factory (repeatable; "
+        "default: all built-in models; --quick: transformer)",
+    )
+    p.add_argument(
+        "--configs",
+        action="append",
+        metavar="LIST",
+        help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)",
+    )
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument(
+        "--calls", type=int, default=None, help="no_grad calls per window (default: calibrated)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps per window (default: calibrated)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default 1; 0 keeps torch's)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="transformer only, no training step, shorter windows (see docs/bench.md)",
+    )
+    p.add_argument(
+        "--no-step", action="store_true", help="leave out the training step (no backward compile)"
+    )
+    p.add_argument("--tiny", action="store_true", help="shrink the built-in models (smoke tests)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--callback-cost",
+        action="store_true",
+        help="measure the callback's per-step hook cost in the steady state instead",
+    )
+    p.add_argument("--preset", default="aggressive", help="preset for --callback-cost")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also check guardtrain's performance targets; exit 1 when one is missed",
+    )
+    return p
+
+
+def _callback_cost(args: argparse.Namespace) -> int:
+    if args.preset not in PRESETS:
+        raise GuardTrainValueError(
+            f"--preset {args.preset!r}: unknown preset; allowed: {', '.join(PRESETS)}."
+        )
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        data = cost.callback_cost(preset=args.preset)
+    finally:
+        torch.set_num_threads(threads)
+    print(cost.format_callback_cost(data))
+    status = 0
+    if args.check:
+        met, line = checks.check_callback_cost(data)
+        data.update(target_us=checks.CALLBACK_COST_TARGET_US, target_met=met)
+        print(f"\n{line}")
+        status = 0 if met else 1
+    if args.json:
+        report.write_json(args.json, data)
+    return status
+
+
+def _options(args: argparse.Namespace) -> measure.BenchOptions:
+    configs = parse_configs(args.configs)
+    models = args.model or list(QUICK_MODELS if args.quick else MODELS)
+    models = [m.strip() for value in models for m in value.split(",") if m.strip()]
+    check_model_specs(models)  # fail on a bad name before anything is compiled
+    return measure.BenchOptions(
+        models=models,
+        configs=configs,
+        repeats=args.repeats if args.repeats is not None else 5,
+        backend=args.backend,
+        calls=args.calls,
+        steps=args.steps,
+        window_s=0.1 if args.quick else 0.2,
+        train_step=not (args.quick or args.no_step),
+        threads=args.threads or None,
+        tiny=args.tiny,
+        quick=args.quick,
+        progress=not args.no_progress,
+    )
+
+
+def _bench(args: argparse.Namespace, command: str) -> int:
+    options = _options(args)
+    t0 = time.perf_counter()
+    data: dict[str, Any] = measure.run_bench(options)
+    data["wall_s"] = round(time.perf_counter() - t0, 1)
+    data["command"] = command
+    print(report.format_table(data))
+    print(f"\nwall time {data['wall_s']} s")
+    status = 0
+    if args.check:
+        data["targets"] = checks.check_targets(data["results"])
+        print("\n" + checks.format_checks(data["targets"]))
+        status = 0 if data["targets"] and all(t["met"] for t in data["targets"]) else 1
+    if args.json:
+        report.write_json(args.json, data)
+    if args.plot:
+        report.plot(data, args.plot)
+    return status
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m guardtrain.bench") -> int:
+    """Run the command; returns the exit status (1: ``--check`` found a target missed)."""
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    try:
+        if args.plot:
+            report.require_matplotlib()
+        if args.callback_cost:
+            return _callback_cost(args)
+        return _bench(args, command)
+    except GuardTrainValueError as err:
+        parser.error(str(err))
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """The ``guardtrain`` console script: ``guardtrain bench [options]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: guardtrain bench [options]   (guardtrain bench --help for the options)")
+        return 0 if argv else 2
+    if argv[0] != "bench":
+        print(f"guardtrain: unknown command {argv[0]!r}; allowed: bench", file=sys.stderr)
+        return 2
+    return main(argv[1:], prog="guardtrain bench")

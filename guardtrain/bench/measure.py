@@ -1,0 +1,349 @@
+"""The run: every configuration of every model, warmed up, then measured interleaved."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from guardtrain.bench.models import CONFIGS, MODELS, BenchModel, build_model, parse_configs
+from guardtrain.bench.runner import Runner
+from guardtrain.engine.session import stance_is_unsafe
+from guardtrain.errors import GuardTrainValueError
+from guardtrain.overhead import LookupWindow
+
+__all__ = ["CALL_CHUNK", "METRICS", "STEP_CHUNK", "BenchOptions", "Progress", "run_bench"]
+
+METRICS = ("guard_us", "pregraph_us", "call_us", "step_us")
+CALL_CHUNK = 5
+"""no_grad calls per configuration before the next one takes its turn."""
+STEP_CHUNK = 2
+
+Sample = dict[str, Any]
+"""One repeat of one configuration: ``guard_us``, ``pregraph_us``, ``call_us``, ... (None:
+not measured)."""
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    models: list[str] = dataclasses.field(default_factory=lambda: list(MODELS))
+    configs: list[str] = dataclasses.field(default_factory=lambda: list(CONFIGS))
+    repeats: int = 5
+    backend: str = "inductor"
+    calls: int | None = None
+    """no_grad calls per timing window (None: calibrated to ``window_s``)."""
+    steps: int | None = None
+    """Training steps per timing window (None: calibrated)."""
+    window_s: float = 0.15
+    threads: int | None = 1
+    train_step: bool = True
+    """Measure the training step (``--quick`` leaves it out: no backward compiles)."""
+    tiny: bool = False
+    quick: bool = False
+    progress: bool = True
+
+
+class Progress:
+    """tqdm when it is installed, else a plain line on stderr every few seconds."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = total
+        self.done = 0
+        self.enabled = enabled
+        self._bar: Any = None
+        self._last = 0.0
+        self._t0 = time.perf_counter()
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total, unit="task", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, desc: str, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_description_str(desc, refresh=False)
+            self._bar.update(n)
+            return
+        now = time.perf_counter()
+        if now - self._last >= 2.0 or self.done == self.total:
+            self._last = now
+            print(
+                f"[{self.done}/{self.total}] {now - self._t0:5.0f}s  {desc}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if hasattr(os, "getloadavg"):
+        info["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
+    return info
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _paired_ratio(a: list[float | None], b: list[float | None]) -> float | None:
+    ratios = [x / y for x, y in zip(a, b) if x is not None and y]
+    return statistics.median(ratios) if ratios else None
+
+
+def _lookup(sample: Sample) -> float | None:
+    g, p = sample.get("guard_us"), sample.get("pregraph_us")
+    if g is None or p is None:
+        return None
+    return float(g + p)
+
+
+@dataclasses.dataclass
+class _Shared:
+    """What every model of a run shares: options, the profiler window, progress."""
+
+    options: BenchOptions
+    configs: list[str]
+    progress: Progress
+    window: LookupWindow = dataclasses.field(default_factory=LookupWindow)
+    window_costs: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Windows:
+    """Calls and steps per timing window, calibrated on one configuration."""
+
+    calls: int
+    steps: int
+    lookup_calls: int
+
+
+def run_bench(options: BenchOptions) -> dict[str, Any]:
+    """Run the benchmark and return the JSON-ready result (see :mod:`guardtrain.bench`)."""
+    if options.repeats < 1:
+        raise GuardTrainValueError(f"--repeats must be >= 1, got {options.repeats}.")
+    configs = parse_configs(options.configs)
+    models = [build_model(m, tiny=options.tiny) for m in options.models]
+    if stance_is_unsafe():
+        raise GuardTrainValueError("the unsafe stance is set already; the bench needs full guards")
+    threads = torch.get_num_threads()
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    machine = _machine()
+    per_model = len(configs) * (2 + options.repeats)
+    shared = _Shared(options, configs, Progress(per_model * len(models), options.progress))
+    results: list[dict[str, Any]] = []
+    try:
+        for model in models:
+            results.extend(_run_model(model, shared))
+    finally:
+        shared.progress.close()
+        torch.set_num_threads(threads)
+    if hasattr(os, "getloadavg"):
+        machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "machine": machine,
+        "options": {
+            "models": options.models,
+            "configs": configs,
+            "repeats": options.repeats,
+            "backend": options.backend,
+            "threads": options.threads,
+            "quick": options.quick,
+            "train_step": options.train_step,
+            "tiny": options.tiny,
+        },
+        "results": results,
+    }
+    if shared.window_costs:
+        out["lookup_window_cost_us"] = _summary(shared.window_costs)
+    return out
+
+
+def _run_model(model: BenchModel, shared: _Shared) -> list[dict[str, Any]]:
+    """Warm up every configuration of ``model``, measure them interleaved, check ``eval()``."""
+    runners: dict[str, Runner] = {}
+    warmup_s: dict[str, float] = {}
+    try:
+        for config in shared.configs:
+            t0 = time.perf_counter()
+            torch.manual_seed(0)
+            runners[config] = Runner(
+                model, config, shared.options.backend, shared.options.train_step
+            )
+            runners[config].warm_up()
+            warmup_s[config] = time.perf_counter() - t0
+            shared.progress.update(f"{model.name}: warm up {config}")
+        first = runners["compile" if "compile" in runners else shared.configs[-1]]
+        windows = _calibrate(first, shared.options)
+        samples: dict[str, list[Sample]] = {c: [] for c in shared.configs}
+        for r in range(shared.options.repeats):
+            row = _repeat(runners, r, windows, shared)
+            shared.progress.update(
+                f"{model.name}: repeat {r + 1}/{shared.options.repeats}", len(shared.configs)
+            )
+            for config in shared.configs:
+                samples[config].append(row[config])
+        results = []
+        for config in shared.configs:
+            results.append(_result(model, runners[config], samples, windows, warmup_s[config]))
+            shared.progress.update(f"{model.name}: eval check {config}")
+        return results
+    finally:
+        for runner in runners.values():
+            runner.close()
+
+
+def _calibrate(first: Runner, options: BenchOptions) -> _Windows:
+    """Calls and steps per window: as given, else enough for ``options.window_s``."""
+    calls, steps = options.calls, options.steps
+    if calls is None:
+        per_call = statistics.median(first.timed(first.forward_no_grad, 5)) / 1e6
+        calls = max(20, min(400, round(options.window_s / max(per_call, 1e-6))))
+    if steps is None and options.train_step:
+        per_step = statistics.median(first.timed(first.train_step, 3)) / 1e6
+        steps = max(6, min(200, round(options.window_s / max(per_step, 1e-6))))
+    if not options.train_step or steps is None:
+        steps = 0
+    return _Windows(calls, steps, max(3, min(calls, 50)))
+
+
+def _repeat(
+    runners: dict[str, Runner], r: int, windows: _Windows, shared: _Shared
+) -> dict[str, Sample]:
+    """One repeat: a profiled window per configuration, then timed calls and steps in turns.
+
+    The order of the configurations rotates by one from repeat to repeat.
+    """
+    configs = shared.configs
+    order = configs[r % len(configs) :] + configs[: r % len(configs)]
+    row: dict[str, Sample] = {c: {"guard_us": None, "pregraph_us": None} for c in configs}
+    for config in order:
+        stats = runners[config].lookup(windows.lookup_calls, shared.window)
+        if stats is not None:
+            row[config]["guard_us"] = stats.guard_us_per_call
+            row[config]["pregraph_us"] = stats.pregraph_us_per_call
+            row[config]["lookups_per_call"] = stats.lookups / windows.lookup_calls
+            shared.window_costs.append(stats.cost_us)
+    for metric, n, chunk, work in (
+        ("call", windows.calls, CALL_CHUNK, "forward_no_grad"),
+        ("step", windows.steps, STEP_CHUNK, "train_step"),
+    ):
+        times = _timed_in_turns(runners, order, n, chunk, work)
+        for config in configs:
+            t = times[config]
+            row[config][f"{metric}_us"] = statistics.median(t) if t else None
+            row[config][f"{metric}_mean_us"] = sum(t) / len(t) if t else None
+    return row
+
+
+def _timed_in_turns(
+    runners: dict[str, Runner], order: list[str], n: int, chunk: int, work: str
+) -> dict[str, list[float]]:
+    """``n`` timed calls of ``work`` per configuration, round-robin in chunks of ``chunk``:
+    every configuration sees the same load."""
+    times: dict[str, list[float]] = {c: [] for c in order}
+    while n > 0 and len(times[order[0]]) < n:
+        for config in order:
+            runner = runners[config]
+            times[config] += runner.timed(getattr(runner, work), chunk)
+    return times
+
+
+def _medians(rows: list[Sample]) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """Per metric: the median over repeats, and median/min/max (the spread)."""
+    medians: dict[str, float | None] = {}
+    spread: dict[str, Any] = {}
+    for metric in METRICS:
+        values = [v for v in (s[metric] for s in rows) if v is not None]
+        medians[metric] = statistics.median(values) if values else None
+        if values:
+            spread[metric] = _summary(values)
+    return medians, spread
+
+
+def _ratios(
+    rows: list[Sample], base: list[Sample] | None, floor: list[Sample] | None
+) -> dict[str, float | None]:
+    """Paired per-repeat ratios against ``compile`` and ``floor`` (where they ran)."""
+    ratios: dict[str, float | None] = {}
+    if base is not None:
+        ratios["lookup_vs_compile"] = _paired_ratio(
+            [_lookup(s) for s in rows], [_lookup(s) for s in base]
+        )
+    for name, other in (("compile", base), ("floor", floor)):
+        if other is None:
+            continue
+        for metric in ("call", "step"):
+            ratios[f"{metric}_vs_{name}"] = _paired_ratio(
+                [s[f"{metric}_us"] for s in rows], [s[f"{metric}_us"] for s in other]
+            )
+    return ratios
+
+
+def _result(
+    model: BenchModel,
+    runner: Runner,
+    samples: dict[str, list[Sample]],
+    windows: _Windows,
+    warmup_s: float,
+) -> dict[str, Any]:
+    """One row of the results: the eval check, medians, spread, ratios, counters."""
+    matches, diff = runner.eval_check()
+    rows = samples[runner.config]
+    medians, spread = _medians(rows)
+    result: dict[str, Any] = {"model": model.name, "config": runner.config, **medians}
+    result.update(
+        compiles=runner.compiles,
+        matches_eager=matches,
+        max_abs_diff=diff,
+        repeats=rows,
+        spread=spread,
+        steady_compiles=runner.steady_compiles,
+        eval_check_compiles=runner.check_compiles,
+        stance=runner.steady,
+    )
+    if runner.blocked:
+        result["stance_blocked"] = runner.blocked
+    if runner.switched_off:
+        result["switched_off"] = runner.switched_off
+    result.update(
+        misses=runner.misses[:5],
+        eval_check_misses=runner.check_misses[:1],
+        calls_per_window=windows.calls,
+        steps_per_window=windows.steps,
+        lookup_calls_per_window=windows.lookup_calls,
+        warmup_s=round(warmup_s, 2),
+        ratios=_ratios(rows, samples.get("compile"), samples.get("floor")),
+    )
+    return result

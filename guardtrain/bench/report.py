@@ -1,0 +1,186 @@
+"""The bench's results as a terminal table, JSON and a PNG chart. Results only: the
+targets are checked by :mod:`guardtrain.bench.checks` (``--check``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from guardtrain.errors import GuardTrainValueError
+
+__all__ = ["format_table", "plot", "require_matplotlib", "write_json"]
+
+HEADER = (
+    "model",
+    "config",
+    "guard µs",
+    "pregraph µs",
+    "g+p /compile",
+    "call µs",
+    "/compile",
+    "/floor",
+    "step µs",
+    "/compile",
+    "/floor",
+    "compiles",
+    "eval ok",
+)
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if value >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def _spread(result: dict[str, Any], metric: str) -> str:
+    s = result.get("spread", {}).get(metric)
+    if not s or not s["median"]:
+        return ""
+    return f" ±{(s['max'] - s['min']) / 2 / s['median'] * 100:.0f}%"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    ratios = r.get("ratios", {})
+    return [
+        r["model"],
+        r["config"],
+        _fmt(r["guard_us"]) + _spread(r, "guard_us"),
+        _fmt(r["pregraph_us"]) + _spread(r, "pregraph_us"),
+        _ratio(ratios.get("lookup_vs_compile")),
+        _fmt(r["call_us"]) + _spread(r, "call_us"),
+        _ratio(ratios.get("call_vs_compile")),
+        _ratio(ratios.get("call_vs_floor")),
+        _fmt(r["step_us"]) + _spread(r, "step_us"),
+        _ratio(ratios.get("step_vs_compile")),
+        _ratio(ratios.get("step_vs_floor")),
+        str(r["compiles"]),
+        ("yes" if r["matches_eager"] else "NO") + ("" if r["config"] != "floor" else " (unsound)"),
+    ]
+
+
+def _markdown(rows: list[list[str]]) -> list[str]:
+    """A Markdown table: the first two columns left-aligned, the numbers right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("| " + " | ".join(cells) + " |")
+        if n == 0:
+            rule = ("-" * (w + 1) + ":" if i >= 2 else "-" * (w + 2) for i, w in enumerate(widths))
+            lines.append("|" + "|".join(rule) + "|")
+    return lines
+
+
+def _notes(data: dict[str, Any]) -> list[str]:
+    opts = data.get("options", {})
+    machine = data["machine"]
+    notes = [
+        f"torch {data['torch']}, backend {opts.get('backend')}, {opts.get('repeats')} repeats, "
+        f"{machine.get('torch_threads')} thread(s), load "
+        f"{machine.get('loadavg_start')} -> {machine.get('loadavg_end')}",
+        "µs: median over repeats, ± half the range in % of the median; ratios: median of "
+        "per-repeat ratios; guard/pregraph: per model call (all compiled frames); "
+        "call/step: median call of each window.",
+    ]
+    for r in data["results"]:
+        extra = []
+        if r.get("steady_compiles"):
+            extra.append(f"{r['steady_compiles']} compile(s) while measuring")
+        if r.get("stance_blocked"):
+            extra.append(f"stance blocked: {r['stance_blocked']}")
+        if r.get("misses"):
+            extra.append(f"stance misses: {r['misses'][0]}")
+        for off in r.get("switched_off", []):
+            extra.append(f"{off['lever']} switched off: {off['why']}")
+        if extra:
+            notes.append(f"{r['model']}/{r['config']}: " + "; ".join(extra))
+    cost = data.get("lookup_window_cost_us")
+    if cost:
+        notes.append(
+            f"LookupWindow own cost (start+stop+parse): median {cost['median']:.0f} µs "
+            f"(min {cost['min']:.0f}, max {cost['max']:.0f})"
+        )
+    return notes
+
+
+def format_table(data: dict[str, Any]) -> str:
+    """The terminal table: medians, spread (± half range in % of the median), ratios."""
+    rows = [list(HEADER), *(_row(r) for r in data["results"])]
+    return "\n".join(_markdown(rows)) + "\n\n" + "\n".join(_notes(data))
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.write("\n")
+
+
+def require_matplotlib() -> None:
+    """Fail early, naming the install, when ``--plot`` cannot work."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise GuardTrainValueError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib "
+            '(or pip install "guardtrain[bench]").'
+        ) from None
+
+
+def _bars(ax: Any, rows: list[dict[str, Any]], metric: str | None) -> None:
+    """One panel: guard + pre-graph stacked (``metric`` None), or a metric with its spread."""
+    xs = list(range(len(rows)))
+    if metric is None:
+        guard = [r["guard_us"] or 0.0 for r in rows]
+        pre = [r["pregraph_us"] or 0.0 for r in rows]
+        ax.bar(xs, guard, label="guards", color="#c44e52")
+        ax.bar(xs, pre, bottom=guard, label="pre-graph", color="#dd8452")
+        ax.legend(fontsize=8)
+    elif all(r[metric] is None for r in rows):
+        ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+    else:
+        vals = [r[metric] or 0.0 for r in rows]
+        err_lo, err_hi = [], []
+        for r, v in zip(rows, vals):
+            s = r.get("spread", {}).get(metric)
+            err_lo.append(v - s["min"] if s else 0.0)
+            err_hi.append(s["max"] - v if s else 0.0)
+        ax.bar(xs, vals, yerr=[err_lo, err_hi], capsize=3, color="#4c72b0")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([r["config"] for r in rows], rotation=30, ha="right", fontsize=8)
+
+
+def plot(data: dict[str, Any], path: str) -> None:
+    """A PNG bar chart: per model, guard + pre-graph µs, call µs and step µs per configuration."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in data["results"]))
+    panels = (
+        ("guard + pre-graph µs per call", None),
+        ("call µs", "call_us"),
+        ("step µs", "step_us"),
+    )
+    fig, axes = plt.subplots(
+        len(models), 3, figsize=(15, 3.6 * len(models)), squeeze=False, constrained_layout=True
+    )
+    for i, model in enumerate(models):
+        rows = [r for r in data["results"] if r["model"] == model]
+        for j, (title, metric) in enumerate(panels):
+            _bars(axes[i][j], rows, metric)
+            axes[i][j].set_title(f"{model}: {title}", fontsize=10)
+    fig.suptitle(
+        f"guardtrain bench (torch {data['torch']}, {data['options']['backend']}, "
+        f"median of {data['options']['repeats']})"
+    )
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

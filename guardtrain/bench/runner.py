@@ -1,0 +1,302 @@
+"""One configuration of one model: its own copy of the model, compiled its own way.
+
+The presets get their levers from the engine (:func:`preset_levers`: a
+:class:`~guardtrain.engine.core.GuardEngine` set up for this torch, exactly as
+the callback's run would be); the stance and Dynamo's config values go
+through a :class:`~guardtrain.engine.session.StanceSession`, switched on only
+while the configuration runs; what blocks the stance is
+:func:`guardtrain.engine.decisions.blocker`. Only the references are the
+bench's own: ``eager`` (no compile), ``compile`` (``torch.compile``'s
+defaults) and the unsound ``floor``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from guardtrain import filters as _filters
+from guardtrain.bench.models import BenchModel
+from guardtrain.compile import CompiledTarget, check_compile_kwargs, resolve_targets
+from guardtrain.engine import decisions
+from guardtrain.engine.config import make_config
+from guardtrain.engine.core import GuardEngine, Host, Levers
+from guardtrain.engine.session import StanceSession
+from guardtrain.errors import GuardTrainValueError
+from guardtrain.overhead import LookupStats, LookupWindow
+
+__all__ = ["ConfigLevers", "Runner", "floor_levers", "preset_levers"]
+
+OWNER = "guardtrain bench"
+
+
+@dataclass(slots=True)
+class ConfigLevers:
+    """The levers of one configuration, and the Dynamo config values it sets while it runs."""
+
+    levers: Levers
+    config_values: dict[str, Any] = field(default_factory=dict)
+    switched_off: list[dict[str, str]] = field(default_factory=list)
+    """Levers this torch does not have (the engine's ``summary()["switched_off"]``)."""
+
+
+def preset_levers(preset: str, compile_kwargs: dict[str, Any]) -> ConfigLevers:
+    """The levers a preset has on this torch, resolved by the engine as in a real run.
+
+    The engine's messages (a lever switched off, dict tags at torch's default)
+    are not printed; a switched-off lever is in ``switched_off``.
+    """
+    config = make_config(preset, compile_kwargs=compile_kwargs, log_metrics=False)
+    # The bench measures the preset even where GUARDTRAIN_DISABLE turns the adapters off.
+    config = dataclasses.replace(config, disabled=False)
+    quiet = Host(info=lambda _: None, warn=lambda _: None, owner=OWNER)
+    engine = GuardEngine(config, quiet)
+    engine.setup()
+    levers = engine.levers
+    values: dict[str, Any] = {}
+    explicit = config.levers.recursive_dict_tags
+    if explicit is not None and levers.recursive_dict_tags == explicit:
+        values["use_recursive_dict_tags_for_guards"] = explicit
+    return ConfigLevers(levers, values, engine.summary()["switched_off"])
+
+
+def _floor_filter() -> _filters.GuardFilter:
+    skip_all = _filters.resolve("skip_all")
+    if skip_all is None:  # pragma: no cover - torch < 2.10
+        raise GuardTrainValueError(
+            f"config 'floor' needs torch>=2.10 (skip_all_guards_unsafe); installed {torch.__version__}"
+        )
+
+    def keep_global_state(entries: Sequence[Any]) -> list[bool]:
+        return [e.guard_type == "GLOBAL_STATE" for e in entries]
+
+    return _filters.any_of(skip_all, keep_global_state)
+
+
+def floor_levers() -> ConfigLevers:
+    """The unsound lower limit (bench only): every guard skipped but Dynamo's global-state
+    guard, ``install_free_tensors``, no stance."""
+    return ConfigLevers(Levers(install_free_tensors=True, guard_filter=_floor_filter()))
+
+
+def _frames() -> int:
+    return int(torch._dynamo.utils.counters["frames"]["ok"])
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The first tensor of a model's output (a tensor, or nested tuples, lists, dicts)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            if isinstance(item, (torch.Tensor, tuple, list, dict)):
+                return first_tensor(item)
+    raise GuardTrainValueError(f"the model's output has no tensor: {type(out).__name__}")
+
+
+class Runner:
+    """One configuration of one model: its own copy of the model, compiled its own way."""
+
+    def __init__(
+        self, model: BenchModel, config: str, backend: str, train_step: bool = True
+    ) -> None:
+        self.model = model
+        self.with_step = train_step
+        self.config = config
+        self.module = copy.deepcopy(model.module)
+        self.module.train()
+        self.args = model.args
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-4)
+        self.call: Callable[..., Any] = self.module
+        self.targets: list[CompiledTarget] = []
+        self.session = StanceSession(OWNER)
+        self.config_values: dict[str, Any] = {}
+        self.switched_off: list[dict[str, str]] = []
+        self.use_stance = False
+        self.steady = False
+        self.blocked: str | None = None
+        self.misses: list[str] = []
+        self.compiles = 0
+        self.steady_compiles = 0
+        self.check_compiles = 0
+        self.check_misses: list[str] = []
+        self.measuring = False
+        kwargs = check_compile_kwargs({"backend": backend})
+        if config == "compile":
+            self._compile_plainly(backend)
+        elif config == "floor":
+            self._compile_targets(floor_levers(), kwargs)
+        elif config != "eager":
+            self._compile_targets(preset_levers(config, kwargs), kwargs)
+
+    def _compile_plainly(self, backend: str) -> None:
+        """``torch.compile``'s defaults: the whole model, or each target's own ``compile()``."""
+        if self.model.targets == [""]:
+            self.call = torch.compile(self.module, backend=backend)
+            return
+        for _, m in resolve_targets(self.module, self.model.targets):
+            m.compile(backend=backend)
+
+    def _compile_targets(self, chosen: ConfigLevers, kwargs: dict[str, Any]) -> None:
+        """One :class:`CompiledTarget` per target, with the configuration's levers."""
+        levers = chosen.levers
+        self.config_values = chosen.config_values
+        self.switched_off = chosen.switched_off
+        self.use_stance = levers.use_stance
+        with self.active():
+            for name, m in resolve_targets(self.module, self.model.targets):
+                self.targets.append(
+                    CompiledTarget(
+                        name,
+                        m,
+                        kwargs,
+                        levers.guard_filter,
+                        levers.install_free_tensors,
+                        on_compile=lambda t, r: None,
+                        on_miss=self._on_miss,
+                    )
+                )
+
+    # -- the stance and the config, switched on only while this configuration runs -----------
+
+    def _on_miss(self, target: CompiledTarget, reason: str) -> bool:
+        self.misses.append(f"{target.name or '<root>'}: {reason}")
+        self._set_stance(False)
+        return not target.graph_breaks
+
+    def _set_stance(self, on: bool) -> None:
+        if self.session.set_stance(on):
+            for target in self.targets:
+                target.fast = on
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Dynamo config and stance of this configuration; compiles counted."""
+        self.session.begin()
+        before = _frames()
+        try:
+            for key, value in self.config_values.items():
+                self.session.set_config(key, value)
+            if self.steady:
+                self._set_stance(True)
+            yield
+        finally:
+            self._set_stance(False)
+            self.session.restore()
+            done = _frames() - before
+            self.compiles += done
+            if self.measuring:
+                self.steady_compiles += done
+
+    def blocker(self) -> str | None:
+        """Why the stance must stay off (the engine's rule), or None."""
+        limit = getattr(torch._dynamo.config, "recompile_limit", 8)
+        return decisions.blocker(self.targets, limit)
+
+    # -- work ----------------------------------------------------------------------------------
+
+    def forward_no_grad(self) -> Any:
+        with torch.no_grad():
+            return self.call(*self.args)
+
+    def train_step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        out = first_tensor(self.call(*self.args))
+        out.float().square().mean().backward()
+        self.opt.step()
+
+    def warm_up(self, max_rounds: int = 6) -> None:
+        """Training steps and ``no_grad`` calls until a round compiles nothing; then the stance."""
+        for i in range(max_rounds):
+            before = self.compiles
+            with self.active():
+                for _ in range(2 if self.with_step else 0):
+                    self.train_step()
+                for _ in range(2):
+                    self.forward_no_grad()
+            if i >= 1 and self.compiles == before:
+                break
+        if self.use_stance:
+            self._enter_stance()
+        self.measuring = True
+
+    def _enter_stance(self) -> None:
+        """Enter the stance unless the engine's blocker says no; one round to check it holds."""
+        self.blocked = self.blocker()
+        self.steady = self.blocked is None
+        if not self.steady:
+            return
+        with self.active():
+            if self.with_step:
+                self.train_step()
+            self.forward_no_grad()
+        if self.misses:
+            self.steady = False
+
+    def timed(self, fn: Callable[[], Any], n: int) -> list[float]:
+        """µs of each of ``n`` calls of ``fn``, each timed on its own (gc off)."""
+        times = [0.0] * n
+        clock = time.perf_counter_ns
+        with self.active():
+            gc.disable()
+            try:
+                for i in range(n):
+                    t0 = clock()
+                    fn()
+                    times[i] = (clock() - t0) / 1e3
+            finally:
+                gc.enable()
+        return times
+
+    def lookup(self, n: int, window: LookupWindow) -> LookupStats | None:
+        """A profiled window of ``n`` no_grad calls (None for eager, or if a profiler runs)."""
+        if self.config == "eager":
+            return None
+        with self.active():
+            if not window.start():
+                return None
+            try:
+                for _ in range(n):
+                    self.forward_no_grad()
+            finally:
+                stats = window.stop(calls=n)
+        return stats
+
+    def eval_check(self) -> tuple[bool, float]:
+        """``eval()`` after training-mode warm-up: does the output equal the uncompiled model's?"""
+        self.measuring = False
+        before = self.compiles
+        misses = len(self.misses)
+        with self.active():
+            self.module.eval()
+            out = first_tensor(self.forward_no_grad()).detach()
+        self.check_compiles = self.compiles - before
+        self.compiles = before
+        self.check_misses = self.misses[misses:]
+        del self.misses[misses:]
+        reference = copy.deepcopy(self.model.module)
+        reference.load_state_dict(self.module.state_dict())
+        reference.eval()
+        with torch.no_grad():
+            ref = first_tensor(reference(*self.args))
+        same_shape = out.shape == ref.shape
+        diff = float((out.float() - ref.float()).abs().max()) if same_shape else math.inf
+        ok = same_shape and bool(torch.allclose(out, ref, rtol=1e-3, atol=1e-4))
+        return ok, diff
+
+    def close(self) -> None:
+        """Put the model's ``forward`` back (the stance and config are off outside ``active``)."""
+        for target in self.targets:
+            target.uninstall()
+        self.targets = []

@@ -1,0 +1,115 @@
+"""The engine's decisions as small pure functions: no torch state is read or changed.
+
+Each takes plain values, so each is unit-tested without a Trainer
+(``tests/test_decisions.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+__all__ = [
+    "CHECK_AUDIT",
+    "CHECK_VERIFY",
+    "TargetView",
+    "blocker",
+    "due_check",
+    "leave_reason",
+    "next_check",
+]
+
+CHECK_AUDIT = "audit"
+CHECK_VERIFY = "verify"
+
+
+def next_check(batches: int, audit_every: int | None, verify_every: int | None) -> int:
+    """The training batch count at which the next audit or verify batch is due."""
+    return min(
+        (batches // every + 1) * every
+        for every in (audit_every, verify_every, 1 << 62)
+        if every is not None
+    )
+
+
+def due_check(batches: int, audit_every: int | None, verify_every: int | None) -> str | None:
+    """``"audit"``, ``"verify"`` or None for the training batch numbered ``batches``.
+
+    Counted by training batches, the same on every rank; an audit wins when both are due.
+    """
+    if batches == 0:
+        return None
+    if audit_every is not None and batches % audit_every == 0:
+        return CHECK_AUDIT
+    if verify_every is not None and batches % verify_every == 0:
+        return CHECK_VERIFY
+    return None
+
+
+def leave_reason(
+    loop: str, new_signature: str | None, training: bool, warmed_training: bool | None = None
+) -> str | None:
+    """Why a steady loop must leave the stance before this batch, or None.
+
+    Args:
+        loop: the loop's name.
+        new_signature: the description of a batch signature not seen with full
+            guards, or None.
+        training: the module's ``training`` flag now.
+        warmed_training: the flag the loop warmed up with; None means the
+            Trainer's rule, ``True`` in training and ``False`` elsewhere.
+    """
+    if new_signature is not None:
+        return f"unseen batch signature {new_signature}"
+    expected = (loop == "train") if warmed_training is None else warmed_training
+    if training is not expected:
+        return f"module.training is {training} in the {loop} loop"
+    return None
+
+
+class TargetView(Protocol):
+    """What :func:`blocker` reads of a compiled target."""
+
+    name: str
+    calls: int
+    graph_breaks: bool
+
+    def cache_entries(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Entries:
+    name: str
+    calls: int
+    graph_breaks: bool
+    entries: int
+
+
+def blocker(
+    targets: Sequence[TargetView], recompile_limit: int, root_label: str = "<LightningModule>"
+) -> str | None:
+    """Why the stance must not be entered now, or None.
+
+    No target has compiled code; a target was called but never compiled (Dynamo
+    skipped it, H18); a target has graph breaks (a miss in a resumed frame would
+    come after part of the forward ran, H4); a target reached the recompile
+    limit (Dynamo runs it eagerly and the stance would raise, H5).
+    """
+    views = [_Entries(t.name, t.calls, t.graph_breaks, t.cache_entries()) for t in targets]
+    if views and all(v.entries == 0 for v in views):
+        return "no target has compiled code"
+    for v in views:
+        label = v.name or root_label
+        if v.calls and v.entries == 0:
+            return f"target {label!r} ran uncompiled: Dynamo skipped its code"
+        if v.graph_breaks:
+            return (
+                f"target {label!r} has graph breaks; under the stance a miss in a resumed "
+                "frame would come after part of the forward ran"
+            )
+        if v.entries >= recompile_limit:
+            return (
+                f"target {label!r} reached recompile_limit={recompile_limit}; Dynamo runs it "
+                "eagerly and the stance would raise"
+            )
+    return None

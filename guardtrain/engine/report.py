@@ -1,0 +1,58 @@
+"""The run's report: the summary table and the ``guard/*`` metrics, from a summary dict.
+
+Pure functions of :meth:`GuardEngine.summary`'s plain dict (``str``, ``int``,
+``float``, lists and dicts of those), so checkpoints holding its values load
+with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from guardtrain.engine.phases import PHASE_NUMBERS
+
+__all__ = ["format_summary", "metrics"]
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The end-of-run table logged at INFO on rank zero."""
+    lines = [
+        "guardtrain summary",
+        f"  preset           {s['preset']}",
+        f"  targets          {', '.join(s['targets']) or '-'}",
+        f"  phase            {s['phase']}  (loops: "
+        + ", ".join(f"{k}={v}" for k, v in s["phases"].items())
+        + ")",
+        f"  warm-up steps    {s['warmup_steps_taken']}",
+        f"  steady steps     {s['steady_steps']}",
+        f"  compiles         {s['compiles']}",
+        f"  re-arms          {len(s['rearms'])}",
+    ]
+    for r in s["rearms"][:10]:
+        lines.append(f"    step {r['step']}: {r['reason']}")
+    if len(s["rearms"]) > 10:
+        lines.append(f"    ... {len(s['rearms']) - 10} more")
+    lookup = s["lookup_us"]
+    if "steady" in lookup:
+        lines.append(
+            f"  guards µs/step   {lookup.get('full_guards', float('nan')):.1f} with full guards, "
+            f"{lookup['steady']:.1f} under the stance (guard + pre-graph, profiled)"
+        )
+    for off in s["switched_off"]:
+        lines.append(f"  switched off     {off['lever']}: {off['why']}")
+    if s.get("took_over"):
+        lines.append(f"  took over        {', '.join(s['took_over'])}")
+    if s["uncompiled_targets"]:
+        lines.append(f"  ran uncompiled   {', '.join(s['uncompiled_targets'])}")
+    if s["stance_blocked"]:
+        lines.append(f"  stance blocked   {s['stance_blocked']}")
+    return "\n".join(lines)
+
+
+def metrics(phase: str, compiles: int, rearms: int) -> dict[str, float]:
+    """The ``guard/*`` metrics: phase number (0 off, 1 warm-up, 2 steady), counts."""
+    return {
+        "guard/phase": float(PHASE_NUMBERS[phase]),
+        "guard/compiles": float(compiles),
+        "guard/rearms": float(rearms),
+    }

@@ -1,0 +1,346 @@
+"""GuardTuner: guardtrain for plain PyTorch loops and Lightning Fabric, on the same engine.
+
+Example::
+
+    from guardtrain import GuardTuner
+
+    with GuardTuner(model, preset="aggressive", compile_kwargs={"backend": "inductor"}) as tuner:
+        for batch in loader:                      # steps outside any loop are training
+            with tuner.step(batch):
+                loss = loss_fn(model(batch[0]), batch[1])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        model.eval()
+        with tuner.loop("validate"), torch.no_grad():
+            for batch in val_loader:
+                with tuner.step(batch):
+                    model(batch[0])
+        model.train()
+    print(tuner.phase, tuner.summary())           # everything is restored here
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from types import TracebackType
+from typing import Any
+
+from torch import nn
+
+from guardtrain import filters as _filters
+from guardtrain.engine.agreement import RankAgreement, ReduceAgreement, TorchDistributed
+from guardtrain.engine.config import GuardConfig, make_config
+from guardtrain.engine.core import GuardEngine, Host
+from guardtrain.engine.phases import LOOPS, Loop
+from guardtrain.errors import GuardTrainRuntimeError, GuardTrainValueError
+from guardtrain.presets import GuardPreset, PresetName
+
+__all__ = ["GuardTuner"]
+
+log = logging.getLogger("guardtrain")
+
+
+class _Step:
+    """``tuner.step(batch)``: a reusable, class-based context manager (cheaper per step
+    than ``@contextmanager``)."""
+
+    __slots__ = ("_batch", "_tuner")
+
+    def __init__(self, tuner: GuardTuner) -> None:
+        self._tuner = tuner
+        self._batch: Any = None
+
+    def __enter__(self) -> None:
+        tuner = self._tuner
+        if tuner._in_step:
+            raise GuardTrainRuntimeError("`tuner.step()` is already open: steps do not nest.")
+        if not tuner._entered:
+            raise GuardTrainRuntimeError(
+                "`tuner.step()` is used outside `with GuardTuner(...) as tuner:`."
+            )
+        tuner._in_step = True
+        loop = tuner._loop
+        training = tuner._root.training
+        engine = tuner._engine
+        if engine.machine.loops[loop].phase != "steady":
+            tuner._warmed[loop] = training
+        engine.batch_start(loop, self._batch, training, tuner._warmed.get(loop))
+
+    def __exit__(self, *exc: Any) -> None:
+        tuner = self._tuner
+        tuner._in_step = False
+        self._batch = None
+        if exc[0] is None:
+            tuner._engine.batch_end(tuner._loop)
+
+
+class _LoopPass:
+    """``tuner.loop(name)``: one pass of an evaluation loop (or an epoch of training)."""
+
+    __slots__ = ("_name", "_tuner")
+
+    def __init__(self, tuner: GuardTuner, name: str) -> None:
+        self._tuner = tuner
+        self._name = name
+
+    def __enter__(self) -> None:
+        tuner = self._tuner
+        if not tuner._entered:
+            raise GuardTrainRuntimeError(
+                "`tuner.loop()` is used outside `with GuardTuner(...) as tuner:`."
+            )
+        if tuner._in_loop or tuner._in_step:
+            raise GuardTrainRuntimeError(
+                f"`tuner.loop({self._name!r})` inside another loop or step: loops do not nest."
+            )
+        tuner._in_loop = True
+        tuner._engine.loop_end(tuner._loop)  # the implicit training pass ends here
+        tuner._loop = self._name
+        tuner._engine.loop_start(self._name)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        tuner = self._tuner
+        tuner._in_loop = False
+        tuner._engine.loop_end(self._name, complete=exc_type is None)
+        tuner._loop = Loop.TRAIN.value  # steps outside any loop are training again
+        tuner._engine.loop_start(Loop.TRAIN.value)
+
+
+class GuardTuner:
+    r"""Compile ``model``, warm up, lock guards, and fall back to full guards on any change.
+
+    The same engine as :class:`~guardtrain.GuardTuneCallback`, for loops you write
+    yourself. Entering the ``with`` block compiles the targets in place; leaving it
+    restores everything (the model's ``forward``, the stance, Dynamo's config), also
+    after an exception.
+
+    Rules:
+
+    * ``tuner.step(batch)`` runs the per-batch checks on entry (the batch signature,
+      the model's ``training`` flag against the value the loop warmed up with, the
+      boundary re-check on the first step after any ``tuner.loop``) and sets the
+      stance before your code runs; on exit it counts compiles and decides entry.
+    * The stance stays set between the steps of a steady loop: other compiled code
+      you run between steps runs under it too and must be warm.
+    * GuardTuner never calls ``train()``/``eval()`` and never changes grad mode. A
+      call whose ``(training, grad, inference mode, autocast)`` combination was not
+      warmed up leaves the stance before it runs.
+    * Steps outside any ``tuner.loop`` belong to training; ``tuner.loop("train")``
+      marks an epoch (with a boundary re-check).
+    * With several processes every rank must run the same number of steps per loop:
+      entry is voted at the same steps on every rank.
+
+    Args:
+        model: the module to compile, or a Fabric-wrapped module (``fabric.setup``);
+            targets are then names in ``model.module``.
+        preset: as for :class:`~guardtrain.GuardTuneCallback`.
+        fabric: a ``lightning.fabric.Fabric``: votes go through its strategy and
+            metrics to ``fabric.log_dict``. Without it, votes go through the default
+            ``torch.distributed`` group when one is initialised, and metrics to the
+            ``guardtrain`` logger.
+        **kwargs: every keyword argument of :class:`~guardtrain.GuardTuneCallback`.
+
+    Raises:
+        GuardTrainValueError, GuardTrainTypeError: bad arguments, as the callback's.
+        GuardTrainRuntimeError: nested steps or loops, or use outside the ``with``.
+
+    Example::
+
+        with GuardTuner(model, preset="aggressive") as tuner:
+            for x, y in loader:
+                with tuner.step((x, y)):
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        preset: PresetName = "balanced",
+        *,
+        fabric: Any = None,
+        warmup_steps: int | None = None,
+        stable_steps: int | None = None,
+        targets: str | list[str] | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        guard_filter: str | list[str] | _filters.GuardFilter | None = None,
+        install_free_tensors: bool | None = None,
+        recursive_dict_tags: bool | None = None,
+        use_stance: bool | None = None,
+        unsafe_drop_floor: bool = False,
+        log_metrics: bool = True,
+        audit_every: int | None = 200,
+        verify_every: int | None = None,
+        verify_rtol: float = 1e-4,
+        verify_atol: float = 1e-6,
+        guard_collectives: bool = False,
+        measure_lookup: bool | None = None,
+        lookup_window: int = 3,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise GuardTrainValueError(
+                f"`model` must be an nn.Module, got {model!r} ({type(model).__name__})."
+            )
+        self.config: GuardConfig = make_config(
+            preset,
+            warmup_steps=warmup_steps,
+            stable_steps=stable_steps,
+            targets=targets,
+            compile_kwargs=compile_kwargs,
+            guard_filter=guard_filter,
+            install_free_tensors=install_free_tensors,
+            recursive_dict_tags=recursive_dict_tags,
+            use_stance=use_stance,
+            unsafe_drop_floor=unsafe_drop_floor,
+            log_metrics=log_metrics,
+            audit_every=audit_every,
+            verify_every=verify_every,
+            verify_rtol=verify_rtol,
+            verify_atol=verify_atol,
+            guard_collectives=guard_collectives,
+            measure_lookup=measure_lookup,
+            lookup_window=lookup_window,
+        )
+        self.model = model
+        self.fabric = fabric
+        self._root: nn.Module = _unwrap(model)
+        self._engine = GuardEngine(self.config, Host(owner="GuardTuner", root_label="<model>"))
+        self._step = _Step(self)
+        self._loop = Loop.TRAIN.value
+        self._warmed: dict[str, bool] = {}
+        self._entered = False
+        self._in_step = False
+        self._in_loop = False
+
+    # -- public ------------------------------------------------------------------------------
+
+    @property
+    def settings(self) -> GuardPreset:
+        """The preset's levers with the explicit arguments applied."""
+        return self.config.levers
+
+    @property
+    def phase(self) -> str:
+        """The training loop's phase: ``"warmup"``, ``"steady"``, or ``"off"`` (no stance)."""
+        return self._engine.phase
+
+    @property
+    def engine(self) -> GuardEngine:
+        """The engine (read it; do not drive it while the tuner is in use)."""
+        return self._engine
+
+    def summary(self) -> dict[str, Any]:
+        """Counters and history, with the same keys as ``GuardTuneCallback.summary()``."""
+        return self._engine.summary()
+
+    def format_summary(self) -> str:
+        return self._engine.format_summary()
+
+    def step(self, batch: Any) -> _Step:
+        """The context manager around one step of the current loop (see the class rules)."""
+        self._step._batch = batch
+        return self._step
+
+    def loop(self, name: str) -> _LoopPass:
+        """The context manager around one pass of ``name``: ``"train"``, ``"validate"``,
+        ``"test"`` or ``"predict"``.
+
+        Raises:
+            GuardTrainValueError: an unknown loop name.
+        """
+        if name not in LOOPS:
+            raise GuardTrainValueError(f"`loop` must be one of {list(LOOPS)}, got {name!r}.")
+        return _LoopPass(self, str(name))
+
+    # -- the with block ----------------------------------------------------------------------
+
+    def __enter__(self) -> GuardTuner:
+        if self._entered:
+            raise GuardTrainRuntimeError(
+                "This GuardTuner is already in use: `with` blocks do not nest."
+            )
+        agreement = self._agreement()
+        host = Host(
+            info=self._info,
+            warn=self._warn,
+            log_metrics=self._log_metrics if self.config.log_metrics else None,
+            agreement=agreement,
+            owner="GuardTuner",
+            root_label="<model>",
+        )
+        self._engine.host = host
+        self._engine.setup(
+            world_size=agreement.world_size,
+            rank=agreement.rank,
+            swaps_parameters=self._swapping_strategy(),
+        )
+        self._engine.activate(self._root, host, root_by_default=True)
+        self._entered = True
+        self._loop = Loop.TRAIN.value
+        self._engine.loop_start(self._loop)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        engine = self._engine
+        self._entered = self._in_step = self._in_loop = False
+        try:
+            if exc_type is None:
+                engine.loop_end(self._loop)
+                engine.gather_rearms()
+        finally:
+            engine.finish()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _agreement(self) -> RankAgreement:
+        fabric = self.fabric
+        if fabric is None:
+            return TorchDistributed.if_initialized()
+        strategy = fabric.strategy
+        return ReduceAgreement(
+            strategy.reduce_boolean_decision, fabric.world_size, fabric.global_rank
+        )
+
+    def _swapping_strategy(self) -> str | None:
+        if self.fabric is None:
+            return None
+        from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
+
+        strategy = self.fabric.strategy
+        if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+            return type(strategy).__name__
+        return None
+
+    def _rank_zero(self) -> bool:
+        return self._engine.host.agreement.rank == 0
+
+    def _info(self, message: str) -> None:
+        if self._rank_zero():
+            log.info(message)
+
+    def _warn(self, message: str) -> None:
+        if self._rank_zero():
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.fabric is not None:
+            self.fabric.log_dict(metrics, step=step)
+        else:
+            log.debug("guard metrics at step %d: %s", step, metrics)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a Fabric wrapper (``_FabricModule.module``), else ``model``."""
+    inner = getattr(model, "module", None) if type(model).__name__ == "_FabricModule" else None
+    return inner if isinstance(inner, nn.Module) else model

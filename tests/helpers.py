@@ -1,0 +1,259 @@
+"""Shared test helpers: the tiny models, fixed data, the guard factories, eager-vs-guarded runs.
+
+Imported by name (``from helpers import ...``); pytest puts ``tests/`` on
+``sys.path``. Fixtures and pytest configuration live in ``conftest.py``.
+
+* :class:`TinyModule`: the LightningModule of most tests (Linear -> BatchNorm
+  -> ReLU -> Dropout -> Linear, as ``backbone`` and ``head``);
+* :class:`Net`: the same network as one plain ``nn.Module`` (``lin``, ``bn``,
+  ``drop``, ``out``), for ``GuardTuner`` and for models that delegate to a
+  child; :class:`NetModule` is a TinyModule that delegates to one;
+* :func:`guard`, :func:`guard_without_lookup` and :func:`guard_tuner`: the callback
+  and the tuner with the tests' defaults (eager backend, a short warm-up);
+* :func:`fit`, :func:`compare`, :func:`assert_same_run`: a run with fixed data,
+  and a guarded run compared bitwise with an uncompiled one;
+* :func:`assert_restored`: no trace of guardtrain after a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+if TYPE_CHECKING:
+    from guardtrain import GuardTuneCallback, GuardTuner
+
+EAGER = {"backend": "eager"}
+
+
+# -- the guard factories ---------------------------------------------------------------------
+
+
+def _test_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The tests' defaults: the eager backend and a short warm-up (3 steps, then 2 stable)."""
+    kwargs.setdefault("warmup_steps", 3)
+    kwargs.setdefault("stable_steps", 2)
+    kwargs.setdefault("compile_kwargs", EAGER)
+    return kwargs
+
+
+def guard(preset: str = "aggressive", **kwargs: Any) -> GuardTuneCallback:
+    """A GuardTuneCallback for tests: eager backend, a short warm-up."""
+    from guardtrain import GuardTuneCallback
+
+    return GuardTuneCallback(preset, **_test_defaults(kwargs))  # type: ignore[arg-type]
+
+
+def guard_without_lookup(preset: str = "aggressive", **kwargs: Any) -> GuardTuneCallback:
+    """:func:`guard` without the lookup window (its profiled batches would shift the steps)."""
+    kwargs.setdefault("measure_lookup", False)
+    return guard(preset, **kwargs)
+
+
+def guard_tuner(model: nn.Module, preset: str = "aggressive", **kwargs: Any) -> GuardTuner:
+    """A GuardTuner for tests, with :func:`guard`'s defaults."""
+    from guardtrain import GuardTuner
+
+    return GuardTuner(model, preset, **_test_defaults(kwargs))  # type: ignore[arg-type]
+
+
+# -- the tiny models -------------------------------------------------------------------------
+
+
+class TinyModule(L.LightningModule):
+    """Linear -> BatchNorm -> ReLU -> Dropout -> Linear; records every loss it computes."""
+
+    def __init__(self, width: int = 16, p: float = 0.3, grad_in_val: bool = False) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Linear(8, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(p)
+        )
+        self.head = nn.Linear(width, 1)
+        self.grad_in_val = grad_in_val
+        self.train_losses: list[torch.Tensor] = []
+        self.val_losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.train_losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        if self.grad_in_val:
+            with torch.enable_grad():
+                loss = nn.functional.mse_loss(self(x), y)
+        else:
+            loss = nn.functional.mse_loss(self(x), y)
+        self.val_losses.append(loss.detach().clone())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Net(nn.Module):
+    """TinyModule's network as one plain module: Linear -> BatchNorm -> ReLU -> Dropout -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(torch.relu(self.bn(self.lin(x)))))
+
+
+OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
+
+
+class NetModule(TinyModule):
+    """TinyModule whose ``forward`` delegates to ``self.net``, a :class:`Net` (the default target).
+
+    ``compile_net=True`` does what the lightning-hydra-template's ``compile=true``
+    does: ``self.net = torch.compile(self.net)`` in the module's own ``setup`` (H29).
+    """
+
+    def __init__(self, compile_net: bool = False) -> None:
+        super().__init__()
+        del self.backbone, self.head
+        self.net = Net()
+        self.compile_net = compile_net
+
+    def setup(self, stage: str) -> None:
+        if self.compile_net and stage == "fit" and not isinstance(self.net, OptimizedModule):
+            self.net = torch.compile(self.net, backend="eager")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Predicting(TinyModule):
+    """TinyModule with a ``test_step`` (recorded as validation's) and a ``predict_step``."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+
+# -- data, trainer, runs ---------------------------------------------------------------------
+
+
+def loaders(
+    n_train: int = 100, n_val: int = 50, batch_size: int = 16, drop_last: bool = False
+) -> tuple[DataLoader, DataLoader]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n_train, 8, generator=g)
+    y = x[:, :1] * 0.5 + 0.1 * torch.randn(n_train, 1, generator=g)
+    xv = torch.randn(n_val, 8, generator=g)
+    yv = xv[:, :1] * 0.5
+    train = DataLoader(TensorDataset(x, y), batch_size=batch_size, drop_last=drop_last)
+    val = DataLoader(TensorDataset(xv, yv), batch_size=batch_size)
+    return train, val
+
+
+def make_trainer(callbacks: Sequence[L.Callback] = (), **kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 3,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    options.update(kwargs)
+    return L.Trainer(callbacks=list(callbacks), **options)
+
+
+def fit(
+    model: L.LightningModule,
+    callbacks: Sequence[L.Callback] = (),
+    data: dict[str, Any] | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(callbacks, **trainer_kwargs)
+    train, val = loaders(**(data or {}))
+    trainer.fit(model, train, val)
+    return trainer
+
+
+def assert_same_run(eager: TinyModule, guarded: TinyModule, exact: bool = True) -> None:
+    """Same losses at every step and the same final weights (bitwise with backend='eager')."""
+    check = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-5))
+    assert len(eager.train_losses) == len(guarded.train_losses)
+    assert len(eager.val_losses) == len(guarded.val_losses)
+    for i, (a, b) in enumerate(zip(eager.train_losses, guarded.train_losses)):
+        assert check(a, b), f"train loss {i}: eager {a.item()} vs guarded {b.item()}"
+    for i, (a, b) in enumerate(zip(eager.val_losses, guarded.val_losses)):
+        assert check(a, b), f"val loss {i}: eager {a.item()} vs guarded {b.item()}"
+    sd_e, sd_g = eager.state_dict(), guarded.state_dict()
+    assert list(sd_e) == list(sd_g)
+    for key in sd_e:
+        assert check(sd_e[key], sd_g[key]), f"weights differ at {key}"
+
+
+def compare(
+    factory: Callable[[], TinyModule],
+    callback: Callable[[], L.Callback],
+    extra: Callable[[], Sequence[L.Callback]] = lambda: (),
+    exact: bool = True,
+    **fit_kwargs: Any,
+) -> tuple[Any, TinyModule]:
+    """Fit an uncompiled model and a guarded one the same way; assert equal; return both.
+
+    Returns the callback and the guarded model.
+    """
+    L.seed_everything(0, verbose=False)
+    eager = factory()
+    fit(eager, list(extra()), **fit_kwargs)
+    L.seed_everything(0, verbose=False)
+    guarded = factory()
+    cb = callback()
+    fit(guarded, [cb, *extra()], **fit_kwargs)
+    assert_same_run(eager, guarded, exact=exact)
+    return cb, guarded
+
+
+class PhaseSpy(L.Callback):
+    """Records ``guard.phase`` at every training batch start (after the guard's own hook)."""
+
+    def __init__(self, guard: Any) -> None:
+        self.guard = guard
+        self.phases: list[str] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.phases.append(self.guard.phase)
+
+
+# -- the state guardtrain changes ------------------------------------------------------------
+
+
+def stance_on() -> bool:
+    """Whether the unsafe stance (``skip_guard_eval_unsafe``) is on now."""
+    return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+
+
+def assert_restored(model: nn.Module | None = None) -> None:
+    """No trace of guardtrain: stance, Dynamo config and (with ``model``) instance ``forward``s."""
+    assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False
+    assert torch._dynamo.config.install_free_tensors is False
+    assert torch._dynamo.config.use_recursive_dict_tags_for_guards is False
+    if model is not None:
+        for name, module in model.named_modules():
+            assert "forward" not in module.__dict__, (
+                f"{name or 'root'} still has a compiled forward"
+            )
