@@ -166,26 +166,8 @@ class GuardTuneCallback(Callback):
         measure_lookup: bool | None = None,
         lookup_window: int = 3,
     ) -> None:
-        self.config: GuardConfig = make_config(
-            preset,
-            warmup_steps=warmup_steps,
-            stable_steps=stable_steps,
-            targets=targets,
-            compile_kwargs=compile_kwargs,
-            guard_filter=guard_filter,
-            install_free_tensors=install_free_tensors,
-            recursive_dict_tags=recursive_dict_tags,
-            use_stance=use_stance,
-            unsafe_drop_floor=unsafe_drop_floor,
-            log_metrics=log_metrics,
-            audit_every=audit_every,
-            verify_every=verify_every,
-            verify_rtol=verify_rtol,
-            verify_atol=verify_atol,
-            guard_collectives=guard_collectives,
-            measure_lookup=measure_lookup,
-            lookup_window=lookup_window,
-        )
+        arguments = {k: v for k, v in locals().items() if k != "self"}  # as passed
+        self.config: GuardConfig = make_config(**arguments)
         self._engine = GuardEngine(self.config, self._host(None))
 
     # -- public ------------------------------------------------------------------------------

@@ -183,30 +183,12 @@ class GuardTuner:
         measure_lookup: bool | None = None,
         lookup_window: int = 3,
     ) -> None:
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "model", "fabric")}
         if not isinstance(model, nn.Module):
             raise GuardTrainValueError(
                 f"`model` must be an nn.Module, got {model!r} ({type(model).__name__})."
             )
-        self.config: GuardConfig = make_config(
-            preset,
-            warmup_steps=warmup_steps,
-            stable_steps=stable_steps,
-            targets=targets,
-            compile_kwargs=compile_kwargs,
-            guard_filter=guard_filter,
-            install_free_tensors=install_free_tensors,
-            recursive_dict_tags=recursive_dict_tags,
-            use_stance=use_stance,
-            unsafe_drop_floor=unsafe_drop_floor,
-            log_metrics=log_metrics,
-            audit_every=audit_every,
-            verify_every=verify_every,
-            verify_rtol=verify_rtol,
-            verify_atol=verify_atol,
-            guard_collectives=guard_collectives,
-            measure_lookup=measure_lookup,
-            lookup_window=lookup_window,
-        )
+        self.config: GuardConfig = make_config(**arguments)
         self.model = model
         self.fabric = fabric
         self._root: nn.Module = _unwrap(model)

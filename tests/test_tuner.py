@@ -233,3 +233,20 @@ def test_an_unseen_signature_costs_one_batch_when_nothing_compiles() -> None:
     assert s["compiles"] == 2  # the first entry and the dynamic one for size 12
     reasons = [r["reason"] for r in s["rearms"]]
     assert len([r for r in reasons if "unseen batch signature" in r]) == 4
+
+
+def test_the_tuner_takes_the_callbacks_arguments() -> None:
+    import inspect
+
+    from guardtrain import GuardTuneCallback
+
+    def params(fn: Any, skip: tuple[str, ...]) -> list[tuple[str, Any]]:
+        return [
+            (p.name, p.default)
+            for p in inspect.signature(fn).parameters.values()
+            if p.name not in skip
+        ]
+
+    assert params(GuardTuner.__init__, ("self", "model", "fabric")) == params(
+        GuardTuneCallback.__init__, ("self",)
+    )
