@@ -42,6 +42,10 @@ from guardtrain.monitor import (
 
 __all__ = ["GuardEngine", "Host"]
 
+# Plain strings on the per-batch path: an Enum member lookup costs more than the check.
+TRAIN: str = Loop.TRAIN.value
+STEADY: str = Phase.STEADY.value
+
 
 def _parameters(fn: Any) -> tuple[str, ...]:
     try:
@@ -169,10 +173,10 @@ class GuardEngine:
         """The training loop's phase: ``"warmup"``, ``"steady"``, or ``"off"`` (no stance)."""
         if self.config.disabled or not self.config.levers.use_stance or self.run.stance_blocked:
             return Phase.OFF.value
-        return str(self.machine.phase(Loop.TRAIN))
+        return str(self.machine.phase(TRAIN))
 
     def train_batches(self) -> int:
-        return self.machine.loops[Loop.TRAIN].batches + self.restored.get("train_batches", 0)
+        return self.machine.loops[TRAIN].batches + self.restored.get("train_batches", 0)
 
     def summary(self) -> dict[str, Any]:
         """Counters and history of the runs so far, as a plain dict."""
@@ -470,7 +474,7 @@ class GuardEngine:
     def _rearm(self, loop: str | None, reason: str) -> None:
         run = self.run
         run.changes += 1
-        if run.measure is not None and loop in (None, Loop.TRAIN):
+        if run.measure is not None and loop in (None, TRAIN):
             self._stop_window()  # measured again at the next entry
         self._set_stance(False)
         self.machine.rearm(loop, step=self.train_batches(), reason=reason, rank=run.rank)
@@ -509,7 +513,7 @@ class GuardEngine:
         vote = (ready and blocked is None) or m.steady(loop)
         if m.collective:
             vote = self.host.agreement.all(vote)
-        if m.collective and vote and loop == Loop.TRAIN:
+        if m.collective and vote and loop == TRAIN:
             run.entered_together = True
         if ready and blocked is None and vote:
             run.changes += 1
@@ -520,7 +524,7 @@ class GuardEngine:
                 else not m.collective
             )
             # Not with paired calls: the window's batches would shift this rank's audits.
-            if loop == Loop.TRAIN and measure and not self._paired() and "steady" not in run.lookup:
+            if loop == TRAIN and measure and not self._paired() and "steady" not in run.lookup:
                 run.measure, run.measure_left = "full", self.config.lookup_window
         elif blocked is not None and run.stance_blocked is None:
             run.changes += 1
@@ -538,7 +542,7 @@ class GuardEngine:
         run.loop = loop
         run.pending.add(loop)
         self.machine.pass_started(loop)
-        if loop != Loop.TRAIN and run.window is not None:
+        if loop != TRAIN and run.window is not None:
             # A window counts every compiled call: this loop's must not count as
             # training's (H27). Close it on the training batches it has measured.
             self._close_window(self.config.lookup_window - run.measure_left)
@@ -563,7 +567,7 @@ class GuardEngine:
             run.pending.discard(loop)
             self._boundary_check(loop)
         if m.use_stance:
-            steady = m.loops[loop].phase == Phase.STEADY
+            steady = m.loops[loop].phase == STEADY
             signature = batch_signature(batch)
             unseen = m.new_signature(loop, signature)
             if steady:
@@ -576,10 +580,10 @@ class GuardEngine:
                 if reason is not None:
                     self._rearm(loop, reason)
                     steady = False
-            if loop == Loop.TRAIN:
+            if loop == TRAIN:
                 if run.measure is not None and steady:
                     steady = self._measure_batch()
-                elif m.loops[Loop.TRAIN].batches >= run.next_check:
+                elif m.loops[TRAIN].batches >= run.next_check:
                     steady = self._audit_or_verify(steady)
                 if self.config.guard_collectives:
                     self.session.set_guard_collectives(self._paired() and run.entered_together)
@@ -597,21 +601,21 @@ class GuardEngine:
         compiled = self.monitor.compiles != run.compiles_at_batch
         if run.audit_batch or run.verify_batch:
             self._end_audit_or_verify(compiled)
-        if run.window is not None and loop == Loop.TRAIN:
+        if run.window is not None and loop == TRAIN:
             self._end_measure_batch()
         m.batch_done(loop, compiled)
         if compiled:
             self._after_compile()
         if run.probe is not None:
-            if run.probe == loop and not compiled and m.loops[loop].phase != Phase.STEADY:
+            if run.probe == loop and not compiled and m.loops[loop].phase != STEADY:
                 # A rank may resume alone: its own cache served the batch.
                 run.changes += 1
                 m.enter(loop)
             run.probe = None
-        if loop == Loop.TRAIN:
+        if loop == TRAIN:
             if (
                 m.use_stance
-                and (m.collective or m.loops[Loop.TRAIN].phase != Phase.STEADY)
+                and (m.collective or m.loops[TRAIN].phase != STEADY)
                 and m.is_decision_point(loop)
             ):
                 self._decide(loop)
@@ -626,9 +630,9 @@ class GuardEngine:
         self._set_stance(False)
         self.session.set_guard_collectives(False)
         m.pass_done(loop, complete)
-        if loop != Loop.TRAIN and m.use_stance:
+        if loop != TRAIN and m.use_stance:
             self._decide(loop)
-        run.pending.add(Loop.TRAIN.value)
+        run.pending.add(TRAIN)
         run.loop = None
 
     # -- lookup windows ----------------------------------------------------------------------
@@ -690,12 +694,12 @@ class GuardEngine:
     def _audit_or_verify(self, steady: bool) -> bool:
         """Start an audit or a verify batch when one is due; return whether to use the stance."""
         run, cfg = self.run, self.config
-        batches = self.machine.loops[Loop.TRAIN].batches
+        batches = self.machine.loops[TRAIN].batches
         run.next_check = decisions.next_check(batches, cfg.audit_every, cfg.verify_every)
         due = decisions.due_check(batches, cfg.audit_every, cfg.verify_every)
         if due == decisions.CHECK_AUDIT:
-            self._boundary_check(Loop.TRAIN)
-            if steady and self.machine.steady(Loop.TRAIN):
+            self._boundary_check(TRAIN)
+            if steady and self.machine.steady(TRAIN):
                 run.audit_batch = True
             return False
         if due == decisions.CHECK_VERIFY:
@@ -712,7 +716,7 @@ class GuardEngine:
             if compiled:
                 event = self.monitor.events[-1] if self.monitor.events else {}
                 self._rearm(
-                    Loop.TRAIN.value,
+                    TRAIN,
                     f"audit batch compiled with full guards ({event.get('reason', 'unknown')}): "
                     "the stance was running code whose guards no longer held",
                 )
