@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _python_dispatch
 
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError, GuardTrainValueError
 from guardtrain.filters import GuardFilter, keep_all
@@ -636,18 +637,22 @@ Mode = tuple[bool, bool, bool, bool]
 """``(training, grad enabled, inference mode, autocast on)`` of a call."""
 
 
+_any_mode_on_stack: Callable[[], bool] = getattr(
+    _python_dispatch, "any_torch_dispatch_mode_on_stack", lambda: False
+)
+_any_mode: Callable[[], bool] = getattr(
+    _python_dispatch, "is_in_any_mode_without_ignore_compile_internals", lambda: False
+)
+
+
 def dispatch_mode_active() -> bool:
     """Whether a TorchDispatchMode is active that makes Dynamo skip a frame (H18).
 
     Mirrors Dynamo's own test in ``convert_frame``; ``False`` on a torch without it.
     """
-    from torch.utils import _python_dispatch as pd
-
     if getattr(torch._dynamo.config, "inline_torch_dispatch_torch_compile", False):
-        on_stack = getattr(pd, "any_torch_dispatch_mode_on_stack", None)
-        return bool(on_stack()) if on_stack is not None else False
-    check = getattr(pd, "is_in_any_mode_without_ignore_compile_internals", None)
-    return bool(check()) if check is not None else False
+        return bool(_any_mode_on_stack())
+    return bool(_any_mode())
 
 
 def _mode(module: nn.Module) -> Mode:
