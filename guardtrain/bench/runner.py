@@ -61,12 +61,7 @@ def preset_levers(preset: str, compile_kwargs: dict[str, Any]) -> ConfigLevers:
     quiet = Host(info=lambda _: None, warn=lambda _: None, owner=OWNER)
     engine = GuardEngine(config, quiet)
     engine.setup()
-    levers = engine.levers
-    values: dict[str, Any] = {}
-    explicit = config.levers.recursive_dict_tags
-    if explicit is not None and levers.recursive_dict_tags == explicit:
-        values["use_recursive_dict_tags_for_guards"] = explicit
-    return ConfigLevers(levers, values, engine.summary()["switched_off"])
+    return ConfigLevers(engine.levers, engine.config_values(), engine.summary()["switched_off"])
 
 
 def _floor_filter() -> _filters.GuardFilter:

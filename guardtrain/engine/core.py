@@ -334,6 +334,17 @@ class GuardEngine:
                 why = "recursive_dict_tags=False"
             self.host.info(f"guardtrain: recursive dict tags are off ({why}).")
 
+    def config_values(self) -> dict[str, Any]:
+        """The ``torch._dynamo.config`` values a run sets (after :meth:`setup`).
+
+        Only an explicit ``recursive_dict_tags`` that this torch has (H22); every
+        other lever is applied per target or per call.
+        """
+        explicit = self.config.levers.recursive_dict_tags
+        if explicit is not None and self.levers.recursive_dict_tags == explicit:
+            return {"use_recursive_dict_tags_for_guards": explicit}
+        return {}
+
     def activate(
         self, root: nn.Module, host: Host | None = None, root_by_default: bool = False
     ) -> None:
@@ -351,14 +362,10 @@ class GuardEngine:
             self.host = host
             self.session.owner = host.owner
         self.session.begin()
-        explicit = self.config.levers.recursive_dict_tags
         cfg = torch._dynamo.config
-        if (
-            explicit is not None
-            and self.levers.recursive_dict_tags == explicit  # not switched off in `setup`
-            and getattr(cfg, "use_recursive_dict_tags_for_guards", explicit) != explicit
-        ):
-            self.session.set_config("use_recursive_dict_tags_for_guards", explicit)
+        for key, value in self.config_values().items():
+            if getattr(cfg, key, value) != value:
+                self.session.set_config(key, value)
         run = self.run
         run.active = True
         self._ran = True

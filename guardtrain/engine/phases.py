@@ -38,31 +38,30 @@ from typing import Any
 __all__ = ["LOOPS", "PHASE_NUMBERS", "Loop", "LoopState", "Phase", "PhaseMachine"]
 
 
-class Loop(str, Enum):
-    """The loops a run has. Members compare equal to their plain ``str`` values."""
+class _StrEnum(str, Enum):
+    """Members compare and hash equal to their plain ``str`` values."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    __hash__ = str.__hash__  # interchangeable with its value in dicts and sets
+
+
+class Loop(_StrEnum):
+    """The loops a run has."""
 
     TRAIN = "train"
     VALIDATE = "validate"
     TEST = "test"
     PREDICT = "predict"
 
-    def __str__(self) -> str:
-        return self.value
 
-    __hash__ = str.__hash__  # interchangeable with its value in dicts and sets
-
-
-class Phase(str, Enum):
-    """A loop's phase. Members compare equal to their plain ``str`` values."""
+class Phase(_StrEnum):
+    """A loop's phase."""
 
     OFF = "off"
     WARMUP = "warmup"
     STEADY = "steady"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __hash__ = str.__hash__  # interchangeable with its value in dicts and sets
 
 
 LOOPS: tuple[str, ...] = tuple(loop.value for loop in Loop)
