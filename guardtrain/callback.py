@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -31,6 +32,7 @@ _ARGUMENTS = frozenset(
         "guard_collectives",
         "measure_lookup",
         "lookup_window",
+        "compile_cache",
     }
 )
 
@@ -129,6 +131,16 @@ class GuardTuneCallback(Callback):
             call, and calls about 12% slower inside the windows (measured on the
             CPU; ``guardtrain.overhead``).
         lookup_window: batches per measuring window.
+        compile_cache: a file for PyTorch's compile-cache artifacts (warm start);
+            ``None`` (default): off. At setup every rank loads it
+            (``torch.compiler.load_cache_artifacts``) before anything compiles; at
+            the end of the run rank zero saves this process's artifacts there
+            (``torch.compiler.save_cache_artifacts``, written atomically; the folder
+            is created). A second run on a fresh machine then skips Inductor's and
+            AOTAutograd's work (not the C++ compiler's on the CPU). Only the inductor
+            backend records artifacts. A missing file logs one INFO line; a corrupt
+            file or one saved by another torch or Python warns and compiles cold.
+            ``summary()["compile_cache"]`` says what was loaded, hit and saved.
 
     Raises:
         GuardTrainValueError: an unknown preset or filter name, a negative step
@@ -165,6 +177,7 @@ class GuardTuneCallback(Callback):
         guard_collectives: bool = False,
         measure_lookup: bool | None = None,
         lookup_window: int = 3,
+        compile_cache: str | os.PathLike[str] | None = None,
     ) -> None:
         arguments = {k: v for k, v in locals().items() if k != "self"}  # as passed
         self.config: GuardConfig = make_config(**arguments)

@@ -20,6 +20,7 @@ process never sees it.
 
 from __future__ import annotations
 
+import enum
 import fnmatch
 import functools
 import re
@@ -168,12 +169,13 @@ class Assertion:
             return type(current) is self.value
         return len(current) == 0
 
-    def describe(self, scope: dict[str, Any]) -> str:
+    def describe(self, scope: dict[str, Any], target: str | None = None) -> str:
+        """What changed, named for ``target`` (default: the target that compiled it)."""
         try:
             current = eval(self.expr, {}, scope)
         except Exception as err:
             current = f"<{type(err).__name__}>"
-        name = self.label or self.name
+        name = user_path(self.name, target) if target is not None else self.label or self.name
         if self.kind == "value":
             return f"{name}: {self.value!r} -> {current!r}"
         if self.kind == "empty":
@@ -181,6 +183,7 @@ class Assertion:
         return f"{name}: {self.kind} changed"
 
 
+_SHARED_PREFIX = re.compile(r"(?<![\w.'\"])module(?=[.\[])")
 _SUBSCRIPT = re.compile(r"\.(?:_modules|_parameters|_buffers|__dict__)\[(['\"])([^'\"]+)\1\]")
 
 
@@ -188,6 +191,7 @@ def user_path(text: str, target: str) -> str:
     """Name guard sources by the path the user knows: ``bound.__self__._modules['drop'].p``
     becomes ``net.drop.p`` for the target ``net`` (``self.drop.p`` for the root)."""
     text = text.replace(f"{_CLOSURE_NAME}.__self__", target or "self")
+    text = _SHARED_PREFIX.sub(target or "self", text)
     return _SUBSCRIPT.sub(lambda m: "." + m.group(2), text)
 
 
@@ -195,6 +199,8 @@ _RECORDED = {
     "CONSTANT_MATCH": "value",
     "EQUALS_MATCH": "value",
     "ID_MATCH": "identity",
+    "BUILTIN_MATCH": "identity",
+    "FUNCTION_MATCH": "identity",
     "TYPE_MATCH": "type",
     "EMPTY_NN_MODULE_HOOKS_DICT": "empty",
 }
@@ -236,6 +242,19 @@ def _make_template() -> types.CodeType:
 _TEMPLATE = _make_template()
 
 
+def _make_shared_template() -> types.CodeType:
+    forward: Callable[..., Any] = print
+
+    def guardtrain_shared_forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+        return forward(module, *args, **kwargs)
+
+    return guardtrain_shared_forward.__code__
+
+
+_SHARED_TEMPLATE = _make_shared_template()
+_SHARED_TRAMPOLINE_NAME = "guardtrain_shared_forward"
+
+
 def _trampoline_code() -> types.CodeType:
     """A new code object that calls the closure variable ``bound``.
 
@@ -253,23 +272,223 @@ SwitchOffHook = Callable[["CompiledTarget", str], None]
 _INSTALLED = ("forward", "__getstate__")
 _FREEVAR_ERROR = "Freevar has no source"
 _MISS = "no compiled entry accepted the call"
+UNACCEPTED = "no compiled entry's guards accept the call's inputs"
+_SHARED_NAME = "module"
+
+
+class TargetCode:
+    """One compiled trampoline and what Dynamo compiled for it.
+
+    A target alone has *private* code: the trampoline calls the instance's bound
+    ``forward`` from a closure, and may use ``install_free_tensors`` (H12).
+    Targets of one class and one structure (:func:`structure_key`) *share* code
+    (H24): the trampoline takes the module as its first argument, so parameters
+    are graph inputs and one Dynamo trace serves every instance, as with
+    ``block.compile()``; ``install_free_tensors`` is off for it.
+    """
+
+    def __init__(
+        self,
+        func: types.FunctionType,
+        compile_kwargs: dict[str, Any],
+        guard_filter: GuardFilter | None,
+        install_free_tensors: bool,
+        shared: bool,
+    ) -> None:
+        self.func = func
+        self.shared = shared
+        self.install_free_tensors = install_free_tensors and not shared
+        self.drops_guards = guard_filter is not None and guard_filter is not keep_all
+        self.members: list[CompiledTarget] = []
+        self.current: CompiledTarget | None = None
+        """The member whose call is running (the one a compile is reported for)."""
+        self.generation = 0
+        """Counts compiles and rebuilds: a member re-checks its fit when it moved."""
+        self.compiles = 0
+        self.free_tensors_off: str | None = None
+        self._kwargs = compile_kwargs
+        self._filter = guard_filter or keep_all
+        self._shared_codes: set[types.CodeType] = set()
+        self.prefix = _SHARED_NAME if shared else _CLOSURE_NAME
+        self.code: types.CodeType
+        self.compiled: Callable[..., Any]
+        self.assertions: list[tuple[Assertion, ...]] = []
+        self.modes: set[Mode] = set()
+        self.fast_modes: set[Mode] = set()
+        self.graph_breaks = False
+
+    def rebuild(self) -> None:
+        """Compile a fresh code object: every entry of the old one is forgotten.
+
+        Code objects other than the trampoline that were compiled for it (the
+        module's own ``forward`` and its resume functions after a graph break)
+        are shared with other instances of the class; their entries are dropped
+        too (``torch._dynamo.reset_code``).
+        """
+        reset_code = getattr(torch._dynamo, "reset_code", None)
+        for code in self._shared_codes:
+            if reset_code is not None:
+                reset_code(code)
+        self._shared_codes = set()
+        self.code = (_SHARED_TEMPLATE if self.shared else _TEMPLATE).replace()
+        self.assertions = []
+        self.modes = set()
+        self.fast_modes = set()
+        self._training_failed = False
+        self._root_entries = 0
+        self.graph_breaks = False
+        self.generation += 1
+        for member in self.members:
+            member.calls = 0
+            member.reference = None
+        if not self.drops_guards:
+            self._filter = keep_all
+        cell = types.CellType(self.func if self.shared else self.members[0]._bound)
+        name = _SHARED_TRAMPOLINE_NAME if self.shared else _TRAMPOLINE_NAME
+        fn = types.FunctionType(self.code, globals(), name, None, (cell,))
+        self.compiled = torch.compile(fn, **build_compile_kwargs(self._kwargs, self._track))
+
+    def _track(self, entries: Sequence[Any]) -> list[bool]:
+        keep = [bool(k) for k in self._filter(entries)]
+        member = self.current or self.members[0]
+        code, reason = _compiling_frame()
+        if code is not None and code is not self.code:
+            # A graph break: this frame is the module's own `forward` or a resume
+            # function of it, code shared with every instance of the class.
+            self.graph_breaks = True
+            self._shared_codes.add(code)
+        elif code is self.code:
+            existing = self.cache_entries()
+            if 0 <= existing < self._root_entries:
+                # Entries we recorded are gone (torch._dynamo.reset()): so is what
+                # they asserted, and the modes they were compiled for.
+                self.modes.clear()
+                self.assertions = []
+                self._training_failed = False
+            self._root_entries = existing + 1
+        if reason is not None and ".training" in reason:
+            # A failed `.training` guard is one the stance evaluates from now on.
+            self._training_failed = True
+        self.modes.add(_mode(member.module))
+        self.fast_modes = set(self.modes) if self._training_failed else _unambiguous(self.modes)
+        self.compiles += 1
+        self.generation += 1
+        prefix = self.prefix
+        recorded = []
+        for entry, kept in zip(entries, keep):
+            kind = _RECORDED.get(entry.guard_type)
+            name = entry.name
+            if kind is None or not entry.has_value or not name.startswith(prefix):
+                continue
+            if len(name) > len(prefix) and name[len(prefix)] not in ".[":
+                continue
+            value = type(entry.value) if kind == "type" else entry.value
+            if kind == "value" and not isinstance(
+                value, (bool, int, float, str, type(None), torch.dtype, torch.device)
+            ):
+                continue
+            try:
+                expr = compile(name, "<guard>", "eval")
+            except SyntaxError:
+                continue
+            recorded.append(Assertion(name, kind, value, kept, expr, user_path(name, member.name)))
+        self.assertions.append(tuple(recorded))
+        member.fits = self.generation
+        member._on_compile(member, None if reason is None else user_path(reason, member.name))
+        return keep
+
+    def cache_entries(self) -> int:
+        """Cache entries Dynamo holds for the trampoline (-1 when this torch cannot tell)."""
+        getter = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+        if getter is None:
+            return -1
+        return len(getter(self.code))
+
+
+_SCALAR_TYPES = (bool, int, float, str, type(None))
+_IDENTITY_TYPES = (
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    functools.partial,
+    type,
+)
+_VALUE_TYPES = (torch.dtype, torch.device, enum.Enum)
+
+
+def structure_key(module: nn.Module) -> tuple[Any, ...]:
+    """What two instances must have in common to share compiled code (H24).
+
+    The class and its ``forward``; every submodule's name, class and ``training``
+    flag; every parameter's and buffer's name, dtype, device, shape and
+    ``requires_grad``; the hooks (by identity); and each submodule's other public
+    attributes: a plain tensor's metadata, a function's identity, a dtype's,
+    device's or enum's value, any other object's type. A guard filter may drop
+    the guards on these, so an instance that differed in one of them would run
+    another's graph. Scalar attributes need not match: their guards are kept
+    (H19), so a differing value compiles an entry of its own. What an object
+    attribute holds is compared per call by :meth:`CompiledTarget._fit`.
+    """
+    rows: list[Any] = [type(module), _forward_function("", module)]
+    for name, sub in module.named_modules():
+        rows.append((name, type(sub), sub.training))
+        for key, value in sub.__dict__.items():
+            if key.startswith("_") or key == "training" or isinstance(value, _SCALAR_TYPES):
+                continue  # a scalar's guard is kept (H19): Dynamo tells values apart
+            if isinstance(value, torch.Tensor):  # a plain tensor attribute
+                row: Any = (value.dtype, value.device, tuple(value.shape), value.requires_grad)
+            elif isinstance(value, _IDENTITY_TYPES):
+                row = id(value)
+            elif isinstance(value, _VALUE_TYPES):
+                row = value
+            else:
+                row = type(value)
+            rows.append((name, key, row))
+    for kind, items in (("p", module.named_parameters()), ("b", module.named_buffers())):
+        for name, t in items:
+            rows.append((kind, name, t.dtype, t.device, tuple(t.shape), t.requires_grad))
+    from guardtrain.monitor import module_fingerprint
+
+    rows.extend(row for row in module_fingerprint(module) if row[0] == "hooks")
+    return tuple(rows)
+
+
+def share_groups(modules: Sequence[nn.Module]) -> list[int | None]:
+    """For each module, the index of the first module whose compiled code it shares.
+
+    Modules with equal :func:`structure_key` share one code object when there
+    are two or more of them (H24); each of the others gets ``None`` (code of its
+    own, with ``install_free_tensors`` where the preset asks for it).
+    """
+    keys = [structure_key(m) for m in modules]
+    first: dict[Any, int] = {}
+    counts: dict[Any, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+        counts[key] = counts.get(key, 0) + 1
+    return [first[key] if counts[key] > 1 else None for key in keys]
 
 
 class CompiledTarget:
-    """One module whose ``forward`` runs through a private compiled code object.
+    """One module whose ``forward`` runs through a compiled trampoline.
 
     Args:
         name: the module's dotted name in the LightningModule (``""`` for itself).
         module: the module to compile in place.
         compile_kwargs: validated ``compile_kwargs`` (see :func:`check_compile_kwargs`).
         guard_filter: the filter to install (floor already added), or ``None``.
-        install_free_tensors: compile this target with ``install_free_tensors``.
+        install_free_tensors: compile this target with ``install_free_tensors``
+            (ignored when it shares code).
         on_compile: called after each frame compilation of this target.
         on_miss: called with a reason on a stance miss, or on a call whose
             ``(training, grad, autocast)`` mode was never compiled; it must leave
             the stance. Returns True when the call may be retried with full guards.
         on_switch_off: called with a reason when ``install_free_tensors`` is switched
             off for this target.
+        share_with: a target of the same class and structure whose code this one
+            shares (see :func:`share_groups`); None: code of its own.
+        shared: with ``share_with=None``, make code that later targets may share
+            (the module is an argument of the trampoline, no ``install_free_tensors``).
     """
 
     def __init__(
@@ -282,66 +501,154 @@ class CompiledTarget:
         on_compile: CompileHook,
         on_miss: MissHook,
         on_switch_off: SwitchOffHook | None = None,
+        share_with: CompiledTarget | None = None,
+        shared: bool = False,
     ) -> None:
         self.name = name
         self.module = module
-        self.install_free_tensors = install_free_tensors
         self.requested_free_tensors = install_free_tensors
         self.fast = False
         """True while the unsafe stance is on: calls skip the config patch."""
-        self.modes: set[Mode] = set()
+        self.checking = False
+        """While True (a batch with an unseen signature under the stance), each call
+        under the stance first evaluates the cache entries' guards itself (H26)."""
+        self.checks = 0
+        """Calls checked that way, and accepted."""
+        self.retry_eagerly = False
+        """Retry a stance miss with the plain ``forward``: with guard collectives the miss
+        may be another rank's, and a second compiled call here would issue a collective
+        that the other ranks never match."""
+        self._on_compile = on_compile
+        self._on_miss = on_miss
+        self._on_switch_off = on_switch_off
+        self.calls = 0
+        """Calls outside the stance since the last rebuild (a called target with no
+        compile ran uncompiled: Dynamo skipped its code)."""
+        self.reference: Any = None
+        """The module's fingerprint when its entries were compiled (set by the caller)."""
+        self.fits = 0
+        """The code's generation at which this member was last checked against its entries."""
+        self.own_code: str | None = None
+        """Why this target left the code it shared, if it did."""
+        self._previous: dict[str, Any] = {}
+        self._func = _forward_function(name, module)
+        self._bound = types.MethodType(self._func, module)
+        self._plain: Callable[..., Any] | None = None
+        self._mismatch: str | None = None
+        self.compiled: Callable[..., Any]
+        self.c: TargetCode
+        if share_with is not None:
+            self.c = share_with.c
+            self.c.members.append(self)
+            self.compiled = self._caller()
+        else:
+            self._own_code(compile_kwargs, guard_filter, install_free_tensors, shared=shared)
+        self._wrapper = self._make_wrapper()
+        self.install()
+
+    def _own_code(
+        self,
+        compile_kwargs: dict[str, Any],
+        guard_filter: GuardFilter | None,
+        install_free_tensors: bool,
+        shared: bool,
+    ) -> None:
+        self.c = TargetCode(self._func, compile_kwargs, guard_filter, install_free_tensors, shared)
+        self.c.members.append(self)
+        if self.c.install_free_tensors:
+            region = _nested_compile_region(self.module)
+            if region is not None:
+                self._free_tensors_off(
+                    f"it contains a nested compile region ({region}); Dynamo cannot trace "
+                    "one with install_free_tensors (H23)"
+                )
+        self.c.rebuild()
+        self.compiled = self._caller()
+
+    def detach(self) -> None:
+        """Stop sharing code with other targets (this target is being replaced)."""
+        if self in self.c.members and len(self.c.members) > 1:
+            self.c.members.remove(self)
+
+    def _caller(self) -> Callable[..., Any]:
+        """What a call of the module runs: the code's compiled trampoline."""
+        c = self.c
+        if not c.shared:
+            return c.compiled
+        module = self.module
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return c.compiled(module, *args, **kwargs)
+
+        return call
+
+    # -- the code's state, as this target sees it -------------------------------------------
+
+    @property
+    def shared(self) -> bool:
+        return self.c.shared
+
+    @property
+    def code(self) -> types.CodeType:
+        return self.c.code
+
+    @property
+    def compiles(self) -> int:
+        return self.c.compiles
+
+    @property
+    def graph_breaks(self) -> bool:
+        return self.c.graph_breaks
+
+    @graph_breaks.setter
+    def graph_breaks(self, value: bool) -> None:
+        self.c.graph_breaks = value
+
+    @property
+    def assertions(self) -> list[tuple[Assertion, ...]]:
+        return self.c.assertions
+
+    @property
+    def modes(self) -> set[Mode]:
         """``(training, grad enabled, inference mode, autocast on)`` of every compile."""
-        self.fast_modes: set[Mode] = set()
+        return self.c.modes
+
+    @property
+    def fast_modes(self) -> set[Mode]:
         """The modes a call may have under the stance: compiled, and, unless a
         ``.training`` guard failed once (the stance evaluates guards that failed,
         H1), the only training value compiled with that grad mode and autocast:
         otherwise the stance picks among entries by global state and shapes and
         cannot tell a training entry from an eval one (a validation call would run
         the training graph)."""
-        self.drops_guards = guard_filter is not None and guard_filter is not keep_all
+        return self.c.fast_modes
+
+    @property
+    def install_free_tensors(self) -> bool:
+        return self.c.install_free_tensors
+
+    @install_free_tensors.setter
+    def install_free_tensors(self, value: bool) -> None:
+        self.c.install_free_tensors = value
+
+    @property
+    def drops_guards(self) -> bool:
         """Whether the installed filter drops guards; turned off (keep all) by the
-        callback for a target with graph breaks."""
-        self.retry_eagerly = False
-        """Retry a stance miss with the plain ``forward``: with guard collectives the miss
-        may be another rank's, and a second compiled call here would issue a collective
-        that the other ranks never match."""
-        self.compiles = 0
-        self.graph_breaks = False
-        self.assertions: list[tuple[Assertion, ...]] = []
-        self._kwargs = compile_kwargs
-        self._filter = guard_filter or keep_all
-        self._on_compile = on_compile
-        self._on_miss = on_miss
-        self.calls = 0
-        """Calls outside the stance since the last rebuild (a called target with no
-        compile ran uncompiled: Dynamo skipped its code)."""
-        self.reference: Any = None
-        """The module's fingerprint when its entries were compiled (set by the caller)."""
-        self.free_tensors_off: str | None = None
+        engine for a target with graph breaks."""
+        return self.c.drops_guards
+
+    @drops_guards.setter
+    def drops_guards(self, value: bool) -> None:
+        self.c.drops_guards = value
+
+    @property
+    def free_tensors_off(self) -> str | None:
         """Why ``install_free_tensors`` was switched off for this target, if it was."""
-        self._on_switch_off = on_switch_off
-        self._previous: dict[str, Any] = {}
-        self._func = _forward_function(name, module)
-        self._bound = types.MethodType(self._func, module)
-        self._shared_codes: set[types.CodeType] = set()
-        self._plain: Callable[..., Any] | None = None
-        self._mismatch: str | None = None
-        self.code: types.CodeType
-        self.compiled: Callable[..., Any]
-        if install_free_tensors:
-            region = _nested_compile_region(module)
-            if region is not None:
-                self._free_tensors_off(
-                    f"it contains a nested compile region ({region}); Dynamo cannot trace "
-                    "one with install_free_tensors (H23)"
-                )
-        self.rebuild()
-        self._wrapper = self._make_wrapper()
-        self.install()
+        return self.c.free_tensors_off
 
     def _free_tensors_off(self, why: str) -> None:
-        self.install_free_tensors = False
-        self.free_tensors_off = why
+        self.c.install_free_tensors = False
+        self.c.free_tensors_off = why
         if self._on_switch_off is not None:
             self._on_switch_off(self, why)
 
@@ -391,89 +698,76 @@ class CompiledTarget:
     # -- compiling ---------------------------------------------------------------------------
 
     def rebuild(self) -> None:
-        """Compile a fresh private code object: every entry of the old one is forgotten.
+        """Compile a fresh code object: every entry of the old one is forgotten, for
+        every target that shares it."""
+        self.c.rebuild()
+        if self.c.shared:
+            for member in self.c.members:
+                member.compiled = member._caller()
+        else:
+            self.compiled = self._caller()
 
-        Code objects other than the private one that were compiled for this
-        target (the module's own ``forward`` and its resume functions after a
-        graph break) are shared with other instances of the class; their
-        entries are dropped too (``torch._dynamo.reset_code``).
-        """
-        reset_code = getattr(torch._dynamo, "reset_code", None)
-        for code in self._shared_codes:
-            if reset_code is not None:
-                reset_code(code)
-        self._shared_codes = set()
-        self.code = _trampoline_code()
-        self.assertions = []
-        self.modes = set()
-        self.fast_modes = set()
-        self._training_failed = False
-        self._root_entries = 0
-        self.graph_breaks = False
-        self.calls = 0
-        if not self.drops_guards:
-            self._filter = keep_all
-        fn = types.FunctionType(
-            self.code, globals(), _TRAMPOLINE_NAME, None, (types.CellType(self._bound),)
+    def _leave_shared_code(self, why: str) -> None:
+        """Give this target private code of its own (it no longer fits the shared one)."""
+        old = self.c
+        old.members.remove(self)
+        self.own_code = why
+        self._own_code(
+            old._kwargs,
+            old._filter if old.drops_guards else None,
+            self.requested_free_tensors,
+            shared=False,
         )
-        self.compiled = torch.compile(fn, **build_compile_kwargs(self._kwargs, self._track))
 
-    def _track(self, entries: Sequence[Any]) -> list[bool]:
-        keep = [bool(k) for k in self._filter(entries)]
-        code, reason = _compiling_frame()
-        if code is not None and code is not self.code:
-            # A graph break: this frame is the module's own `forward` or a resume
-            # function of it, code shared with every instance of the class.
-            self.graph_breaks = True
-            self._shared_codes.add(code)
-        elif code is self.code:
-            existing = self.cache_entries()
-            if 0 <= existing < self._root_entries:
-                # Entries we recorded are gone (torch._dynamo.reset()): so is what
-                # they asserted, and the modes they were compiled for.
-                self.modes.clear()
-                self.assertions = []
-                self._training_failed = False
-            self._root_entries = existing + 1
-        if reason is not None and ".training" in reason:
-            # A failed `.training` guard is one the stance evaluates from now on.
-            self._training_failed = True
-        self.modes.add(_mode(self.module))
-        self.fast_modes = set(self.modes) if self._training_failed else _unambiguous(self.modes)
-        self.compiles += 1
-        prefix = _CLOSURE_NAME
-        recorded = []
-        for entry, kept in zip(entries, keep):
-            kind = _RECORDED.get(entry.guard_type)
-            name = entry.name
-            if kind is None or not entry.has_value or not name.startswith(prefix):
-                continue
-            if len(name) > len(prefix) and name[len(prefix)] not in ".[":
-                continue
-            value = type(entry.value) if kind == "type" else entry.value
-            if kind == "value" and not isinstance(
-                value, (bool, int, float, str, type(None), torch.dtype, torch.device)
-            ):
-                continue
-            try:
-                expr = compile(name, "<guard>", "eval")
-            except SyntaxError:
-                continue
-            recorded.append(Assertion(name, kind, value, kept, expr, user_path(name, self.name)))
-        self.assertions.append(tuple(recorded))
-        self._on_compile(self, None if reason is None else user_path(reason, self.name))
-        return keep
+    def _fit(self) -> None:
+        """Before a call through shared code that compiled since this target's last
+        check: leave it for code of its own if an entry that Dynamo could pick for
+        this instance asserted something a dropped guard no longer checks, or if no
+        entry's kept assertions hold for it (a scalar or flag that differs between
+        instances: each distinct value would add an entry, up to the recompile
+        limit, after which the instances would run eagerly) (H24)."""
+        c = self.c
+        self.fits = c.generation
+        if len(c.members) < 2:
+            return
+        stale, unmatched = self.check_assertions()
+        if stale is not None:
+            self._leave_shared_code(f"{stale}: a dropped guard; the shared code does not fit it")
+        elif unmatched is not None:
+            self._leave_shared_code(f"{unmatched}: no shared entry fits it")
 
     def cache_entries(self) -> int:
         """Cache entries Dynamo holds for the root code (-1 when this torch cannot tell)."""
+        return self.c.cache_entries()
+
+    def accepts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a cache entry of the root code accepts a call with these inputs (H26).
+
+        Evaluates each entry's guard manager, with every guard it kept (the input
+        tensors' sizes, strides and dtypes, the shape environment's ranges and 0/1
+        specialisation, global state), on the call's arguments: what Dynamo checks
+        without the stance. Costs one guard evaluation per entry tried.
+        """
         getter = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
         if getter is None:
-            return -1
-        return len(getter(self.code))
+            return False
+        c = self.c
+        if c.shared:
+            scope = {_SHARED_NAME: self.module, "args": args, "kwargs": kwargs, "forward": c.func}
+        else:
+            scope = {"args": args, "kwargs": kwargs, _CLOSURE_NAME: self._bound}
+        for entry in getter(c.code):
+            manager = getattr(entry, "guard_manager", None)
+            if manager is not None and manager.check(scope):
+                self.checks += 1
+                return True
+        return False
 
     # -- state checks ------------------------------------------------------------------------
 
     def scope(self) -> dict[str, Any]:
+        if self.c.shared:
+            return {_SHARED_NAME: self.module}
         return {_CLOSURE_NAME: self._bound}
 
     def check_assertions(self) -> tuple[str | None, str | None]:
@@ -495,13 +789,18 @@ class CompiledTarget:
             any_kept = True
             for a in entry:
                 if not a.kept and not a.holds(scope):
-                    return a.describe(scope), None
+                    return a.describe(scope, self.name), None
         if any_kept:
             return None, None
+        # Name what changed for the entry that is closest to matching (the fewest
+        # failing assertions; the newest of those): not another mode's `.training`.
+        best: list[Assertion] | None = None
         for entry in reversed(self.assertions):
-            for a in entry:
-                if not a.holds(scope):
-                    return None, a.describe(scope)
+            failing = [a for a in entry if not a.holds(scope)]
+            if failing and (best is None or len(failing) < len(best)):
+                best = failing
+        if best:
+            return None, best[0].describe(scope, self.name)
         return None, "no compiled entry matches the module's state"
 
     # -- installing --------------------------------------------------------------------------
@@ -514,9 +813,20 @@ class CompiledTarget:
 
         @functools.wraps(self._func)
         def forward(*args: Any, **kwargs: Any) -> Any:
+            c = target.c
+            if target.fits != c.generation:
+                target._fit()  # the code compiled since: does it still fit this instance?
+                c = target.c
             if target.fast:
                 mode = (module.training, is_grad_enabled(), is_inference(), any_autocast())
-                if mode in target.fast_modes:
+                if mode not in c.fast_modes:
+                    # The stance could pick an entry compiled for another mode.
+                    target._on_miss(target, _describe_mode(mode, mode in c.modes))
+                elif target.checking and not target.accepts(args, kwargs):
+                    # Unseen inputs (H26): no entry's guards accept them, so the
+                    # stance would run an entry compiled for other shapes.
+                    target._on_miss(target, UNACCEPTED)
+                else:
                     try:
                         return target.compiled(*args, **kwargs)
                     except RuntimeError as err:
@@ -524,14 +834,13 @@ class CompiledTarget:
                             raise
                         if target.retry_eagerly:
                             return target._bound(*args, **kwargs)
-                else:  # the stance could pick an entry compiled for another mode
-                    target._on_miss(target, _describe_mode(mode, mode in target.modes))
             if dispatch_mode_active():
                 # Dynamo would skip the frame and mark our code skipped for good
                 # (ModelSummary's FLOP count, H18): run this call eagerly instead.
                 return target._bound(*args, **kwargs)
             target.calls += 1
-            if not target.install_free_tensors:
+            c.current = target
+            if not c.install_free_tensors:
                 return target.compiled(*args, **kwargs)
             previous = cfg.install_free_tensors
             cfg.install_free_tensors = True

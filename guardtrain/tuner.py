@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from types import TracebackType
 from typing import Any
@@ -182,6 +183,7 @@ class GuardTuner:
         guard_collectives: bool = False,
         measure_lookup: bool | None = None,
         lookup_window: int = 3,
+        compile_cache: str | os.PathLike[str] | None = None,
     ) -> None:
         arguments = {k: v for k, v in locals().items() if k not in ("self", "model", "fabric")}
         if not isinstance(model, nn.Module):

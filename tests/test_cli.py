@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import inspect
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any, get_args
@@ -27,6 +28,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.py
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASS_PATH = "guardtrain.GuardTuneCallback"
+#: compile_cache's sample: a file in the temporary folder (the eager backend saves nothing).
+CACHE_FILE = str(Path(tempfile.gettempdir()) / "guardtrain-test-cli" / "compile-cache.bin")
 PARAMS = list(inspect.signature(GuardTuneCallback.__init__).parameters.values())[1:]
 
 #: Constructor argument -> non-default values, each as (command-line text, parsed value).
@@ -54,6 +57,7 @@ SAMPLES: dict[str, list[tuple[str, Any]]] = {
     "guard_collectives": [("true", True)],
     "measure_lookup": [("false", False)],
     "lookup_window": [("2", 2)],
+    "compile_cache": [(CACHE_FILE, CACHE_FILE)],
 }
 #: Every run compiles with the eager backend (fast); the compile_kwargs sample replaces it.
 BASE = {"compile_kwargs": {"backend": "eager"}}

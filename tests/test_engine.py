@@ -162,7 +162,10 @@ def test_engine_without_a_trainer() -> None:
         assert torch.equal(a, b)
     s = engine.summary()
     assert s["targets"] == ["<LightningModule>"] and s["steady_steps"] >= 3
-    assert [r["reason"] for r in s["rearms"]] == ["unseen batch signature ((2, 8) float32 cpu)"]
+    assert [r["reason"] for r in s["rearms"]] == [
+        "unseen batch signature ((2, 8) float32 cpu): "
+        "no compiled entry of '<LightningModule>' accepts its inputs"
+    ]
     engine.finish()
     assert_restored(net)
     assert any("guardtrain summary" in m for m in messages)

@@ -206,9 +206,10 @@ def test_event_in_the_middle_of_a_steady_epoch(preset: str, kind: str) -> None:
     every call must equal eager again.
     """
     record, _ = check(steady_mid_epoch(preset, kind))
-    # The event came under the stance, except `dtype`: its float64 batch is an unseen
-    # signature, so the per-batch check left the stance before the event.
-    assert record.stance_at_events == [kind != "dtype"]
+    # The event came under the stance. `dtype`'s float64 batch is an unseen signature:
+    # the stance stays for that batch, and the first call, which no compiled entry
+    # accepts, leaves it before it runs (H26).
+    assert record.stance_at_events == [True]
     if kind in ANYWHERE:
         assert not record.tolerated
 

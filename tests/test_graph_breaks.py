@@ -1,7 +1,10 @@
-"""A default target that breaks the graph is replaced by its parts (H20)."""
+"""A default target that breaks the graph is replaced by its parts (H20); warnings and the
+summary name each break by Dynamo's reason, file and line."""
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 import lightning as L
@@ -10,6 +13,11 @@ import torch
 from helpers import guard, make_trainer
 from lightning.pytorch.demos import Transformer
 from torch.utils.data import DataLoader, TensorDataset
+
+from guardtrain.engine.breaks import BreakLog, describe
+
+ITEM = r"Tensor\.item\(\) call.* at torch/nn/modules/transformer\.py:\d+ in _detect_is_causal_mask"
+"""The demo's break, named with its file and line."""
 
 
 class DemoLM(L.LightningModule):
@@ -42,12 +50,24 @@ def run(callback: L.Callback | None) -> DemoLM:
     return model
 
 
+@functools.cache
+def eager_run() -> DemoLM:
+    """The run without the callback, once for every test here."""
+    return run(None)
+
+
 @pytest.mark.parametrize("preset", ["balanced", "aggressive"])
 def test_the_demo_transformer_reaches_the_stance(preset: str) -> None:
-    """3 epochs of 16 batches: at least half of them under the stance, equal to eager."""
-    eager = run(None)
+    """3 epochs of 16 batches: at least half of them under the stance, equal to eager.
+
+    ``nn.Transformer`` and its encoder and decoder break too, at the call into
+    torch's own code (which Dynamo never compiles as a frame of its own): they are
+    split as well, down to the layers, so that no region runs uncompiled.
+    """
+    eager = eager_run()
     cb = guard(preset, warmup_steps=5, stable_steps=2)
-    guarded = run(cb)
+    with pytest.warns(UserWarning, match=rf"'model' breaks the graph \(.*{ITEM}, called from "):
+        guarded = run(cb)
     assert len(eager.train_losses) == len(guarded.train_losses) == 48
     for i, (a, b) in enumerate(zip(eager.train_losses, guarded.train_losses)):
         assert torch.equal(a, b), f"loss {i}"
@@ -55,20 +75,104 @@ def test_the_demo_transformer_reaches_the_stance(preset: str) -> None:
         assert torch.equal(a, b), key
     s = cb.summary()
     assert s["steady_steps"] >= 24, s
-    [split] = s["graph_breaks"]
-    assert split["target"] == "model" and "Tensor.item()" in split["reason"]
-    assert s["targets"] == split["regions"] and "model.transformer" in s["targets"]
+    splits = {b["target"]: b for b in s["graph_breaks"]}
+    assert list(splits)[:2] == ["model", "model.transformer"], splits
+    first = splits["model"]
+    assert "Tensor.item()" in first["reason"]
+    assert re.fullmatch(
+        r"torch/nn/modules/transformer\.py:\d+ in _detect_is_causal_mask, "
+        r"called from lightning/pytorch/demos/transformer\.py:\d+",
+        first["where"],
+    ), first
+    assert first["regions"] == ["model.embedding", "model.transformer", "model.decoder"]
+    for split in splits.values():
+        assert re.match(r"torch/nn/modules/transformer\.py:\d+", split["where"]), split
+    assert "model.transformer.decoder.layers.0" in s["targets"]
+    assert not any(t in splits for t in s["targets"])  # no target left that breaks
     assert s["stance_blocked"] is None
+    assert f"graph break      model: {first['reason']} at {first['where']}" in cb.format_summary()
 
 
 def test_an_explicit_target_that_breaks_keeps_every_guard() -> None:
     """With ``targets=``, the breaking target stays: full guards, no stance, a hint."""
-    eager = run(None)
+    eager = eager_run()
     cb = guard("aggressive", targets=["model"], warmup_steps=5, stable_steps=2)
-    with pytest.warns(UserWarning, match=r"Tensor\.item\(\).*targets=\['model\.embedding'"):
+    with pytest.warns(UserWarning, match=rf"{ITEM}.*targets=\['model\.embedding'"):
         guarded = run(cb)
     for a, b in zip(eager.train_losses, guarded.train_losses):
         assert torch.equal(a, b)
     s = cb.summary()
     assert s["targets"] == ["model"] and s["graph_breaks"] == []
     assert s["steady_steps"] == 0 and "graph breaks" in (s["stance_blocked"] or "")
+
+
+def _branches(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    if y.sum() > 0:  # data-dependent branching
+        return y + 1
+    return y - 1
+
+
+def _prints(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    torch._dynamo.graph_break()
+    return y + 1
+
+
+def test_the_break_log_names_reason_file_and_line() -> None:
+    """Each new break once, with the user's file and line; a reset is survived; nothing
+    is registered, so nothing outlives the log."""
+    log = BreakLog()
+    assert log.new() == []
+    torch.compile(_branches, backend="eager")(torch.ones(3))
+    torch.compile(_prints, backend="eager")(torch.ones(3))
+    torch.compile(_prints, backend="eager")(torch.ones(4))  # a recompile: the same break
+    found = log.new()
+    branch, brk = (f.__code__.co_firstlineno + 2 for f in (_branches, _prints))
+    assert len(found) == 2, found
+    assert found[0].where.endswith(f"test_graph_breaks.py:{branch} in _branches"), found
+    assert found[1].where.endswith(f"test_graph_breaks.py:{brk} in _prints"), found
+    assert found[0].reason.startswith("data-dependent branching")
+    assert found[1].reason == "Call to `torch._dynamo.graph_break()`"
+    assert describe(found[1:]) == f"{found[1].reason} at {found[1].where}"
+    assert log.new() == []
+    torch._dynamo.reset()  # empties Dynamo's record
+    torch.compile(_prints, backend="eager")(torch.ones(3))
+    assert [b.where for b in log.new()] == [found[1].where]
+
+
+class Decoder(torch.nn.Module):
+    """``nn.TransformerDecoder`` given a causal mask: it breaks on ``Tensor.item()`` in
+    torch's own code, which Dynamo never compiles as a frame of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.dec = torch.nn.TransformerDecoder(layer, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.dec(x, x, tgt_mask=mask)
+
+
+@pytest.mark.parametrize("targets", [None, ["dec"]])
+def test_a_break_at_the_call_into_torchs_own_code_is_seen(targets: list[str] | None) -> None:
+    """Such a target would run uncompiled while looking compiled: by default it is split
+    down to its layers; as an explicit target it keeps every guard and the stance stays off."""
+    from helpers import guard_tuner
+
+    net = Decoder()
+    x = torch.randn(4, 5, 8)
+    with guard_tuner(net, targets=targets, measure_lookup=False) as tuner:
+        for _ in range(8):
+            with tuner.step((x,)):
+                net(x).sum().backward()
+    s = tuner.summary()
+    if targets is None:
+        assert [b["target"] for b in s["graph_breaks"]] == ["<model>", "dec"], s["graph_breaks"]
+        assert s["targets"] == ["dec.layers.0"] and s["steady_steps"] > 0
+    else:
+        assert s["graph_breaks"] == [] and s["steady_steps"] == 0
+        assert "graph breaks" in (s["stance_blocked"] or "")
+        [off] = s["switched_off"]
+        assert re.search(ITEM, off["why"]), off

@@ -6,6 +6,8 @@
 * :mod:`~guardtrain.engine.session`: the stance and Dynamo config, saved and restored.
 * :mod:`~guardtrain.engine.agreement`: how ranks decide together.
 * :mod:`~guardtrain.engine.report`: the summary table and metrics.
+* :mod:`~guardtrain.engine.breaks`: where Dynamo's graph breaks are (reason, file, line).
+* :mod:`~guardtrain.engine.warmstart`: the compile cache saved and loaded (``compile_cache``).
 * :mod:`~guardtrain.engine.core`: :class:`GuardEngine`, which the adapters drive.
 """
 

@@ -56,6 +56,9 @@ class GuardConfig:
     """Profile guard time once; None: only in single-process runs."""
     lookup_window: int = 3
     """Batches per profiled window."""
+    compile_cache: str | None = None
+    """File of PyTorch's compile-cache artifacts (warm start): loaded at setup on every
+    rank, saved at the end of a run by rank zero; None: off."""
     disabled: bool = False
     """``GUARDTRAIN_DISABLE`` was set when the settings were made."""
 
@@ -94,6 +97,23 @@ def _targets(targets: Any) -> list[str] | None:
     return names
 
 
+def _cache_path(value: Any) -> str | None:
+    """``compile_cache``: None, or a file path (``str`` or ``os.PathLike``), kept as a str."""
+    if value is None:
+        return None
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(path, str):
+        raise GuardTrainTypeError(
+            "`compile_cache` must be a file path (str or os.PathLike) or None, got "
+            f"{value!r} ({type(value).__name__})."
+        )
+    if not path.strip() or os.path.isdir(os.path.expanduser(path)):
+        raise GuardTrainValueError(
+            f"`compile_cache` must name a file (its folder is created when saving), got {path!r}."
+        )
+    return path
+
+
 def make_config(
     preset: str = "balanced",
     *,
@@ -114,6 +134,7 @@ def make_config(
     guard_collectives: bool = False,
     measure_lookup: bool | None = None,
     lookup_window: int = 3,
+    compile_cache: str | os.PathLike[str] | None = None,
 ) -> GuardConfig:
     """Validate the adapters' shared arguments (see ``GuardTuneCallback``).
 
@@ -184,5 +205,6 @@ def make_config(
         guard_collectives=guard_collectives,
         measure_lookup=measure_lookup,
         lookup_window=window,
+        compile_cache=_cache_path(compile_cache),
         disabled=os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"),
     )

@@ -25,8 +25,16 @@ import torch
 from torch import nn
 
 from guardtrain import filters as _filters
-from guardtrain.compile import CompiledTarget, TakeOver, resolve_targets, take_over_compiled
-from guardtrain.engine import decisions, report
+from guardtrain.compile import (
+    UNACCEPTED,
+    CompiledTarget,
+    TakeOver,
+    resolve_targets,
+    share_groups,
+    take_over_compiled,
+)
+from guardtrain.engine import breaks as _breaks
+from guardtrain.engine import decisions, report, warmstart
 from guardtrain.engine.agreement import RankAgreement, SingleProcess
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
 from guardtrain.engine.phases import Loop, Phase, PhaseMachine
@@ -123,9 +131,16 @@ class RunState:
     logged: tuple[int, int, int] | None = None
     graph_breaks: list[dict[str, Any]] = field(default_factory=list)
     """Default targets split into their parts because they broke the graph (H20)."""
-    break_reasons: set[str] = field(default_factory=set)
+    break_log: _breaks.BreakLog = field(default_factory=_breaks.BreakLog)
+    """Dynamo's graph-break records read so far (reasons with file and line)."""
     probe: str | None = None
     """The loop whose current batch probes an unseen signature with full guards."""
+    checking: str | None = None
+    """The unseen signature (described) whose batch checks each call's inputs (H26)."""
+    checked_batches: int = 0
+    """Batches with an unseen signature that stayed under the stance."""
+    checked_calls: int = 0
+    """Calls in those batches that an entry's guards accepted."""
     audit_batch: bool = False
     verify_batch: bool = False
     active: bool = False
@@ -152,6 +167,8 @@ class GuardEngine:
         self._dict_tags_warned = False
         self._dict_tags_told = False
         self._ran = False
+        self.compile_cache: dict[str, Any] | None = None
+        """The warm start's state (``compile_cache=``), loaded once per engine."""
         self._new_run()
 
     def _new_run(self) -> None:
@@ -206,9 +223,28 @@ class GuardEngine:
             "lookup_us": dict(lookup),
             "lookup_calls": dict(run.lookup_calls or r.get("lookup_calls", {})),
             "took_over": list(run.took_over),
+            "shared_code": self._shared_code(),
+            "own_code": [
+                {"target": self._label(t), "why": t.own_code} for t in self.kept if t.own_code
+            ],
+            "checked_batches": run.checked_batches + r.get("checked_batches", 0),
+            "checked_calls": run.checked_calls + r.get("checked_calls", 0),
             "graph_breaks": [dict(b) for b in run.graph_breaks],
             "disabled": self.config.disabled,
+            "compile_cache": warmstart.summary(self.compile_cache),
         }
+
+    def _shared_code(self) -> list[dict[str, Any]]:
+        """Groups of targets that share one compiled code object (H24)."""
+        groups: dict[int, list[CompiledTarget]] = {}
+        for t in self.kept:
+            if t.shared:
+                groups.setdefault(id(t.c), []).append(t)
+        return [
+            {"class": type(g[0].module).__name__, "targets": [self._label(t) for t in g]}
+            for g in groups.values()
+            if len(g) > 1
+        ]
 
     def format_summary(self) -> str:
         return report.format_summary(self.summary())
@@ -256,6 +292,8 @@ class GuardEngine:
                 lookup_us=s["lookup_us"],
                 lookup_calls=s["lookup_calls"],
                 compile_events=s["compile_events"],
+                checked_batches=s["checked_batches"],
+                checked_calls=s["checked_calls"],
             )
             self._ran = False
         self._new_run()
@@ -265,6 +303,9 @@ class GuardEngine:
                 "(the model is not compiled)."
             )
             return
+        path = self.config.compile_cache
+        if path is not None and self.compile_cache is None:  # before anything compiles
+            self.compile_cache = warmstart.load(path, self.host, self.config.compile_kwargs)
         self.machine.collective = world_size > 1
         self.run.rank = rank if self.machine.collective else None
         lv = self.levers
@@ -378,28 +419,43 @@ class GuardEngine:
             self._tell_take_over(run.takeover.names)
             ift = self.levers.install_free_tensors
             kept = {(t.name, id(t.module)): t for t in self.kept if t.requested_free_tensors == ift}
-            for name, module in resolved:
-                target = kept.get((name, id(module)))
-                if target is not None:  # a later run: same code, same Dynamo cache
+            if all((name, id(module)) in kept for name, module in resolved):
+                # A later run on the same modules: same code, same Dynamo cache (H28).
+                for name, module in resolved:
+                    target = kept[(name, id(module))]
                     target.install()
-                else:
-                    target = CompiledTarget(
-                        name,
-                        module,
-                        self.config.compile_kwargs,
-                        self.levers.guard_filter,
-                        ift,
-                        on_compile=self._on_compile,
-                        on_miss=self._on_miss,
-                        on_switch_off=self._on_switch_off,
-                    )
-                target.retry_eagerly = self._paired()
-                run.targets.append(target)
-                run.target_names.append(name or self.host.root_label)
+                    target.retry_eagerly = self._paired()
+                    run.targets.append(target)
+            else:
+                run.targets = self._make_targets(resolved)
+            run.target_names = [self._label(t) for t in run.targets]
             self.kept = list(run.targets)
         except BaseException:
             self.restore()
             raise
+
+    def _make_targets(self, parts: list[tuple[str, nn.Module]]) -> list[CompiledTarget]:
+        """Compile ``parts`` in place; instances of one class and structure share code (H24)."""
+        made: list[CompiledTarget] = []
+        groups = share_groups([module for _, module in parts])
+        for i, (name, module) in enumerate(parts):
+            leader = groups[i]
+            made.append(
+                CompiledTarget(
+                    name,
+                    module,
+                    self.config.compile_kwargs,
+                    self.levers.guard_filter,
+                    self.levers.install_free_tensors,
+                    on_compile=self._on_compile,
+                    on_miss=self._on_miss,
+                    on_switch_off=self._on_switch_off,
+                    share_with=made[leader] if leader is not None and leader != i else None,
+                    shared=leader == i,
+                )
+            )
+            made[-1].retry_eagerly = self._paired()
+        return made
 
     def _tell_take_over(self, names: list[str]) -> None:
         """One warning when the user's own compiles are taken over (once per change)."""
@@ -419,6 +475,7 @@ class GuardEngine:
             return
         run.active = False
         self._stop_window()
+        self._stop_checking()
         self._set_stance(False)
         self.session.restore()
         for target in run.targets:
@@ -437,7 +494,8 @@ class GuardEngine:
         self.run.all_rearms = sorted(merged, key=lambda r: (r["step"], r.get("rank", 0)))
 
     def finish(self) -> None:
-        """End the run: name targets that ran uncompiled, restore, log the summary once."""
+        """End the run: name targets that ran uncompiled, restore, save the compile cache
+        (rank zero, ``compile_cache=``), log the summary once."""
         idle = [
             self._label(t)
             for t in self.run.targets
@@ -450,6 +508,8 @@ class GuardEngine:
                 "never called through the module (check `targets`), or Dynamo skipped it."
             )
         self.restore()
+        if self.compile_cache is not None:
+            warmstart.save(self.compile_cache, self.host, self.host.agreement.rank)
         if not self.run.summary_logged and not self.config.disabled:
             self.run.summary_logged = True
             self.host.info(self.format_summary())
@@ -499,10 +559,30 @@ class GuardEngine:
     def _on_switch_off(self, target: CompiledTarget, why: str) -> None:
         self._switch_off(f"install_free_tensors for {self._label(target)!r}", why)
 
+    def _start_checking(self, described: str) -> None:
+        self.run.checking = described
+        for target in self.run.targets:
+            target.checking = True
+
+    def _stop_checking(self) -> None:
+        self.run.checking = None
+        for target in self.run.targets:
+            target.checking = False
+            self.run.checked_calls += target.checks
+            target.checks = 0
+
     def _on_miss(self, target: CompiledTarget, reason: str) -> bool:
-        if self._paired():
-            reason += " (here or on another rank: guard collectives share misses)"
-        self._rearm(self.run.loop, f"stance miss in {self._label(target)!r}: {reason}")
+        if reason is UNACCEPTED:
+            reason = (
+                f"unseen batch signature {self.run.checking}: no compiled entry of "
+                f"{self._label(target)!r} accepts its inputs"
+            )
+        else:
+            if self._paired():
+                reason += " (here or on another rank: guard collectives share misses)"
+            reason = f"stance miss in {self._label(target)!r}: {reason}"
+        self._stop_checking()
+        self._rearm(self.run.loop, reason)
         return not target.graph_breaks  # never in the stance with graph breaks (blocker)
 
     def _decide(self, loop: str) -> None:
@@ -546,6 +626,7 @@ class GuardEngine:
         if not run.active:
             return
         self._set_stance(False)
+        self._stop_checking()
         run.loop = loop
         run.pending.add(loop)
         self.machine.pass_started(loop)
@@ -575,15 +656,20 @@ class GuardEngine:
             self._boundary_check(loop)
         if m.use_stance:
             steady = m.loops[loop].phase == STEADY
+            check = None
             signature = batch_signature(batch)
             unseen = m.new_signature(loop, signature)
             if steady:
                 reason = decisions.leave_reason(loop, None, training, warmed_training)
                 if reason is None and unseen:
-                    # One batch with full guards (H26): if it compiles nothing, the
-                    # loop's cache serves this signature and the stance resumes.
-                    reason = f"unseen batch signature {describe_signature(signature)}"
-                    run.probe = loop
+                    described = describe_signature(signature)
+                    if self._paired():
+                        # One batch with full guards (H26): if it compiles nothing, the
+                        # loop's cache serves this signature and the stance resumes.
+                        reason = f"unseen batch signature {described}"
+                        run.probe = loop
+                    else:
+                        check = described
                 if reason is not None:
                     self._rearm(loop, reason)
                     steady = False
@@ -598,6 +684,10 @@ class GuardEngine:
                 steady = False
             if steady is not self.session.stance_on:
                 self._set_stance(steady)
+            if check is not None and steady:
+                # The stance stays; each call first shows that an entry's guards
+                # accept its inputs, or leaves the stance before it runs (H26).
+                self._start_checking(check)
         run.compiles_at_batch = self.monitor.compiles
 
     def batch_end(self, loop: str) -> None:
@@ -606,6 +696,10 @@ class GuardEngine:
         if not run.active:
             return
         compiled = self.monitor.compiles != run.compiles_at_batch
+        if run.checking is not None:
+            if not compiled and m.loops[loop].phase == STEADY:
+                run.checked_batches += 1
+            self._stop_checking()
         if run.audit_batch or run.verify_batch:
             self._end_audit_or_verify(compiled)
         if run.window is not None and loop == TRAIN:
@@ -747,12 +841,26 @@ class GuardEngine:
         """Once per batch that compiled: fingerprints, and no free tensors across graph breaks.
 
         A default target (``targets=None``) that breaks the graph is replaced by its
-        parts (H20), which may break again and be split further.
+        parts (H20), which may break again and be split further. Warnings and the
+        summary name each break by Dynamo's reason, file and line.
         """
+        found = self._new_break_reasons()
         for target in list(self.run.targets):
-            if target.graph_breaks and self.config.targets is None and self._split(target):
+            forward = getattr(target, "_func", None)
+            mine = _breaks.entered(found, forward)
+            if mine and not target.graph_breaks and _breaks.skipped_at_top(forward):
+                # The break was at the call into a `forward` that Dynamo never compiles
+                # as a frame of its own (torch's modules, `nn.Transformer`): it ran
+                # uncompiled, and no resume frame showed the break (H20).
+                target.graph_breaks = True
+            if not target.graph_breaks:
+                if target.reference is None:
+                    target.reference = module_fingerprint(target.module)
                 continue
-            if target.graph_breaks and (target.install_free_tensors or target.drops_guards):
+            mine = mine or found
+            if self.config.targets is None and self._split(target, mine):
+                continue
+            if target.install_free_tensors or target.drops_guards:
                 # The frames after a graph break run the module's own `forward`,
                 # whose code other instances share (install_free_tensors there is
                 # H12), and their guards name the frame's locals, which the
@@ -763,7 +871,7 @@ class GuardEngine:
                 hint = f"; to use the stance, compile its parts: targets={parts}" if parts else ""
                 self._switch_off(
                     f"install_free_tensors and the guard filter for {self._label(target)!r}",
-                    f"it has graph breaks ({self._new_break_reasons() or 'reason unknown'}): "
+                    f"it has graph breaks ({_breaks.describe(mine) or 'reason unknown'}): "
                     "the frames after a break run code shared by every instance of its class, "
                     f"and their dropped guards cannot be re-checked{hint}",
                 )
@@ -771,50 +879,40 @@ class GuardEngine:
             elif target.reference is None:
                 target.reference = module_fingerprint(target.module)
 
-    def _new_break_reasons(self) -> str:
-        """Dynamo's graph-break reasons seen since the last call (first line of each)."""
-        counted = torch._dynamo.utils.counters["graph_break"]
-        seen = self.run.break_reasons
-        new = [k.strip().splitlines()[0] for k in counted if k not in seen]
-        seen.update(counted)
-        return "; ".join(new)
+    def _new_break_reasons(self) -> list[_breaks.GraphBreak]:
+        """Dynamo's graph breaks since the last call: reason (first line), file and line."""
+        return self.run.break_log.new()
 
-    def _split(self, target: CompiledTarget) -> bool:
+    def _split(self, target: CompiledTarget, found: list[_breaks.GraphBreak]) -> bool:
         """Compile the parts of a breaking default target instead of it; False if it has none."""
         parts = _regions(target.name, target.module)
         if not parts:
             return False
         run = self.run
-        reason = self._new_break_reasons()
+        text = _breaks.describe(found) or "reason unknown"
         label = self._label(target)
         target.rebuild()  # forget its entries, resume functions included
         target.uninstall()
         index = run.targets.index(target)
-        made = [
-            CompiledTarget(
-                name,
-                module,
-                self.config.compile_kwargs,
-                self.levers.guard_filter,
-                self.levers.install_free_tensors,
-                on_compile=self._on_compile,
-                on_miss=self._on_miss,
-                on_switch_off=self._on_switch_off,
-            )
-            for name, module in parts
-        ]
-        for part in made:
-            part.retry_eagerly = self._paired()
+        target.detach()
+        made = self._make_targets(parts)
         run.targets[index : index + 1] = made
         run.target_names = [self._label(t) for t in run.targets]
         self.kept = list(run.targets)
         names = [name for name, _ in parts]
-        run.graph_breaks.append({"target": label, "reason": reason or "unknown", "regions": names})
-        self.host.warn(
-            f"guardtrain: {label!r} breaks the graph ({reason or 'reason unknown'}); compiling "
-            f"its parts instead: {names}. Pass `targets=` to choose the regions yourself."
+        run.graph_breaks.append(
+            {
+                "target": label,
+                "reason": "; ".join(b.reason for b in found) or "unknown",
+                "where": "; ".join(b.where for b in found if b.where),
+                "regions": names,
+            }
         )
-        self._rearm(None, f"{label}: graph break ({reason or 'unknown'}); compiling {names}")
+        self.host.warn(
+            f"guardtrain: {label!r} breaks the graph ({text}); compiling its parts instead: "
+            f"{names}. Pass `targets=` to choose the regions yourself."
+        )
+        self._rearm(None, f"{label}: graph break ({text}); compiling {names}")
         return True
 
     def _boundary_check(self, loop: str) -> None:

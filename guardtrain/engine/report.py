@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from guardtrain.engine import warmstart
 from guardtrain.engine.phases import PHASE_NUMBERS
 
 __all__ = ["format_summary", "metrics"]
@@ -28,6 +29,12 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  compiles         {s['compiles']}",
         f"  re-arms          {len(s['rearms'])}",
     ]
+    if s.get("checked_batches"):
+        lines.insert(
+            -2,
+            f"  checked batches  {s['checked_batches']}  (unseen signatures kept under the "
+            f"stance: {s.get('checked_calls', 0)} calls accepted by an entry's guards)",
+        )
     for r in s["rearms"][:10]:
         lines.append(f"    step {r['step']}: {r['reason']}")
     if len(s["rearms"]) > 10:
@@ -38,6 +45,19 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  guards µs/step   {lookup.get('full_guards', float('nan')):.1f} with full guards, "
             f"{lookup['steady']:.1f} under the stance (guard + pre-graph, profiled)"
         )
+    for b in s.get("graph_breaks", []):
+        where = f" at {b['where']}" if b.get("where") else ""
+        lines.append(
+            f"  graph break      {b['target']}: {b['reason']}{where}; "
+            f"compiled its parts {', '.join(b['regions'])}"
+        )
+    for group in s.get("shared_code", []):
+        names = group["targets"]
+        lines.append(
+            f"  shared code      {len(names)} {group['class']} targets: {names[0]} ... {names[-1]}"
+        )
+    for own in s.get("own_code", []):
+        lines.append(f"  own code         {own['target']}: {own['why']}")
     for off in s["switched_off"]:
         lines.append(f"  switched off     {off['lever']}: {off['why']}")
     if s.get("took_over"):
@@ -46,6 +66,8 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  ran uncompiled   {', '.join(s['uncompiled_targets'])}")
     if s["stance_blocked"]:
         lines.append(f"  stance blocked   {s['stance_blocked']}")
+    if s.get("compile_cache"):
+        lines.append(f"  compile cache    {warmstart.describe(s['compile_cache'])}")
     return "\n".join(lines)
 
 

@@ -76,6 +76,7 @@ class GuardTuneConf:
     guard_collectives: bool = False
     measure_lookup: bool | None = None
     lookup_window: int = 3
+    compile_cache: str | None = None
 
 
 ConfigStore.instance().store(

@@ -1,0 +1,195 @@
+"""Where the graph breaks are: Dynamo's reason with the user's file and line (H20).
+
+Dynamo keeps a ``GraphCompileReason`` for every graph break it makes, with the
+reason and the user stack it was tracing, in ``torch._dynamo.utils.graph_break_reasons``.
+It fills that list whether or not logging is on, and ``torch._dynamo.reset()``
+empties it. Reading it needs no log handler and no config change: nothing is
+printed and no global state changes. ``counters["graph_break"]`` (the fallback
+for a torch without the list) has the reason text only, and no entry at all for
+data-dependent branching.
+
+A :class:`BreakLog` remembers how far it has read; :meth:`BreakLog.new` returns
+the breaks recorded since, one per reason and place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from guardtrain import compile as _compile
+
+__all__ = ["BreakLog", "GraphBreak", "describe", "entered", "short_path", "skipped_at_top"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TRAMPOLINE_FILE = os.path.normcase(os.path.abspath(_compile.__file__))
+_PACKAGE_DIRS = ("site-packages", "dist-packages")
+
+
+@dataclass(frozen=True, slots=True)
+class GraphBreak:
+    """One graph break: Dynamo's reason (first line) and where it happened."""
+
+    reason: str
+    where: str
+    """``path:line in function`` of the innermost user frame; when that frame is
+    in torch's own files, ``, called from path:line`` names the innermost frame
+    outside them. Empty when this torch does not record the place."""
+    entered: tuple[tuple[str, str, int], ...] = ()
+    """``(file, function, line)`` of each frame a guardtrain trampoline called when
+    the break was traced from one (a target's ``forward``)."""
+
+    def describe(self) -> str:
+        return f"{self.reason} at {self.where}" if self.where else self.reason
+
+
+def describe(breaks: list[GraphBreak]) -> str:
+    """The breaks as one line, ``"; "``-separated (empty for none)."""
+    return "; ".join(b.describe() for b in breaks)
+
+
+def entered(breaks: list[GraphBreak], func: Any) -> list[GraphBreak]:
+    """The breaks traced from a trampoline into ``func`` (a target's ``forward``)."""
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return []
+    return [
+        b
+        for b in breaks
+        if any(
+            file == code.co_filename and name == code.co_name and line >= code.co_firstlineno
+            for file, name, line in b.entered
+        )
+    ]
+
+
+def skipped_at_top(func: Any) -> bool:
+    """Whether Dynamo skips ``func``'s frame when it runs as a top-level frame (torch's
+    own modules, ``nn.Transformer``): after a graph break at the call into it, it runs
+    uncompiled, with no resume frame that would show the break."""
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False
+    try:
+        from torch._dynamo import trace_rules
+
+        return bool(trace_rules.check(code))
+    except Exception:  # a torch that lays its rules out otherwise: judge by the file
+        return code.co_filename.startswith(_TORCH_DIR)
+
+
+def short_path(filename: str) -> str:
+    """A file as users recognise it: inside an installed package, from the package down
+    (``transformers/modeling_utils.py``); below the working directory, relative to it."""
+    parts = filename.replace("\\", "/").split("/")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in _PACKAGE_DIRS:
+            return "/".join(parts[i + 1 :])
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        return filename
+    return filename if rel.startswith("..") else rel
+
+
+def _first_line(reason: str) -> str:
+    lines = reason.strip().splitlines()
+    line = lines[0].strip() if lines else "unknown"
+    if line.startswith("generic_jump"):  # Dynamo's name for a branch on a tensor's value
+        line = f"data-dependent branching ({line})"
+    return line
+
+
+def _is_trampoline(frame: Any) -> bool:
+    return (
+        frame.name == _compile._TRAMPOLINE_NAME
+        and os.path.normcase(os.path.abspath(frame.filename)) == _TRAMPOLINE_FILE
+    )
+
+
+def _where(stack: list[Any]) -> str:
+    frames = [f for f in stack if not _is_trampoline(f)]
+    if not frames:
+        return ""
+    inner = frames[-1]
+    where = f"{short_path(inner.filename)}:{inner.lineno} in {inner.name}"
+    if inner.filename.startswith(_TORCH_DIR):
+        outside = [f for f in frames if not f.filename.startswith(_TORCH_DIR)]
+        if outside:
+            where += f", called from {short_path(outside[-1].filename)}:{outside[-1].lineno}"
+    return where
+
+
+def _from_record(record: Any) -> GraphBreak:
+    stack = list(getattr(record, "user_stack", None) or [])
+    entered: tuple[tuple[str, str, int], ...] = ()
+    if len(stack) > 1 and _is_trampoline(stack[0]):
+        entered = ((stack[1].filename, stack[1].name, stack[1].lineno or 0),)
+    return GraphBreak(_first_line(str(record.reason)), _where(stack), entered)
+
+
+class BreakLog:
+    """The graph breaks Dynamo recorded since this log was made or last read."""
+
+    __slots__ = ("_count", "_last", "_seen")
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._last: Any = None
+        self._seen: set[str] = set()
+        self.mark()
+
+    @staticmethod
+    def _records() -> list[Any] | None:
+        records = getattr(torch._dynamo.utils, "graph_break_reasons", None)
+        return records if isinstance(records, list) else None
+
+    def mark(self) -> None:
+        """Forget the breaks recorded so far."""
+        records = self._records()
+        if records is None:
+            self._seen = set(torch._dynamo.utils.counters["graph_break"])
+            return
+        self._count = len(records)
+        self._last = records[-1] if records else None
+
+    def new(self) -> list[GraphBreak]:
+        """The breaks recorded since the last read, one per (reason, place), in order.
+
+        Dynamo records a break again for every frame that traces the same code
+        (the target's entry frame, then the frame of the ``forward`` that broke):
+        those repeats, and its ``step_unsupported`` records that only follow a
+        break, are dropped.
+        """
+        records = self._records()
+        if records is None:
+            counted = torch._dynamo.utils.counters["graph_break"]
+            fresh = [GraphBreak(_first_line(k), "") for k in counted if k not in self._seen]
+            self._seen.update(counted)
+            return fresh
+        start = self._count
+        if len(records) < start or (start and records[start - 1] is not self._last):
+            start = 0  # torch._dynamo.reset() emptied the list since the last read
+        batch = records[start:]
+        self._count = len(records)
+        self._last = records[-1] if records else None
+        found: list[GraphBreak] = []
+        places: dict[tuple[str, str], int] = {}
+        for record in batch:
+            if not getattr(record, "graph_break", True):
+                continue
+            found_break = _from_record(record)
+            key = (found_break.reason, found_break.where)
+            if key in places:
+                known = found[places[key]]
+                more = tuple(e for e in found_break.entered if e not in known.entered)
+                if more:
+                    found[places[key]] = GraphBreak(known.reason, known.where, known.entered + more)
+                continue
+            places[key] = len(found)
+            found.append(found_break)
+        real = [b for b in found if b.reason != "step_unsupported"]
+        return real or found
