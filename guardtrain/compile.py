@@ -175,7 +175,10 @@ class Assertion:
             current = eval(self.expr, {}, scope)
         except Exception as err:
             current = f"<{type(err).__name__}>"
-        name = user_path(self.name, target) if target is not None else self.label or self.name
+        if target is not None:
+            name = user_path(self.name, target, self.name.startswith(_SHARED_NAME))
+        else:
+            name = self.label or self.name
         if self.kind == "value":
             return f"{name}: {self.value!r} -> {current!r}"
         if self.kind == "empty":
@@ -183,15 +186,17 @@ class Assertion:
         return f"{name}: {self.kind} changed"
 
 
-_SHARED_PREFIX = re.compile(r"(?<![\w.'\"])module(?=[.\[])")
+_SHARED_PREFIX = re.compile(r"(?<![\w.'\"])module\b(?!['\"])")
 _SUBSCRIPT = re.compile(r"\.(?:_modules|_parameters|_buffers|__dict__)\[(['\"])([^'\"]+)\1\]")
 
 
-def user_path(text: str, target: str) -> str:
+def user_path(text: str, target: str, shared: bool = False) -> str:
     """Name guard sources by the path the user knows: ``bound.__self__._modules['drop'].p``
-    becomes ``net.drop.p`` for the target ``net`` (``self.drop.p`` for the root)."""
+    (``module._modules['drop'].p`` in shared code) becomes ``net.drop.p`` for the target
+    ``net`` (``self.drop.p`` for the root)."""
     text = text.replace(f"{_CLOSURE_NAME}.__self__", target or "self")
-    text = _SHARED_PREFIX.sub(target or "self", text)
+    if shared:
+        text = _SHARED_PREFIX.sub(target or "self", text)
     return _SUBSCRIPT.sub(lambda m: "." + m.group(2), text)
 
 
@@ -310,6 +315,8 @@ class TargetCode:
         self._filter = guard_filter or keep_all
         self._shared_codes: set[types.CodeType] = set()
         self.prefix = _SHARED_NAME if shared else _CLOSURE_NAME
+        self.key: tuple[Any, ...] | None = None
+        """The :func:`structure_key` its members had when they were grouped (shared code)."""
         self.code: types.CodeType
         self.compiled: Callable[..., Any]
         self.assertions: list[tuple[Assertion, ...]] = []
@@ -391,10 +398,13 @@ class TargetCode:
                 expr = compile(name, "<guard>", "eval")
             except SyntaxError:
                 continue
-            recorded.append(Assertion(name, kind, value, kept, expr, user_path(name, member.name)))
+            label = user_path(name, member.name, self.shared)
+            recorded.append(Assertion(name, kind, value, kept, expr, label))
         self.assertions.append(tuple(recorded))
         member.fits = self.generation
-        member._on_compile(member, None if reason is None else user_path(reason, member.name))
+        member._on_compile(
+            member, None if reason is None else user_path(reason, member.name, self.shared)
+        )
         return keep
 
     def cache_entries(self) -> int:
@@ -406,6 +416,7 @@ class TargetCode:
 
 
 _SCALAR_TYPES = (bool, int, float, str, type(None))
+_NOT_STRUCTURE = ("training", "forward")  # `forward`: the one guardtrain installs
 _IDENTITY_TYPES = (
     types.FunctionType,
     types.BuiltinFunctionType,
@@ -416,11 +427,10 @@ _IDENTITY_TYPES = (
 _VALUE_TYPES = (torch.dtype, torch.device, enum.Enum)
 
 
-def structure_key(module: nn.Module) -> tuple[Any, ...]:
+def structure_key(module: nn.Module, func: Any = None) -> tuple[Any, ...]:
     """What two instances must have in common to share compiled code (H24).
 
-    The class and its ``forward``; every submodule's name, class and ``training``
-    flag; every parameter's and buffer's name, dtype, device, shape and
+    The class and its ``forward``; every submodule's name and class; every parameter's and buffer's name, dtype, device, shape and
     ``requires_grad``; the hooks (by identity); and each submodule's other public
     attributes: a plain tensor's metadata, a function's identity, a dtype's,
     device's or enum's value, any other object's type. A guard filter may drop
@@ -429,11 +439,11 @@ def structure_key(module: nn.Module) -> tuple[Any, ...]:
     (H19), so a differing value compiles an entry of its own. What an object
     attribute holds is compared per call by :meth:`CompiledTarget._fit`.
     """
-    rows: list[Any] = [type(module), _forward_function("", module)]
+    rows: list[Any] = [type(module), func or _forward_function("", module)]
     for name, sub in module.named_modules():
-        rows.append((name, type(sub), sub.training))
+        rows.append((name, type(sub)))
         for key, value in sub.__dict__.items():
-            if key.startswith("_") or key == "training" or isinstance(value, _SCALAR_TYPES):
+            if key.startswith("_") or key in _NOT_STRUCTURE or isinstance(value, _SCALAR_TYPES):
                 continue  # a scalar's guard is kept (H19): Dynamo tells values apart
             if isinstance(value, torch.Tensor):  # a plain tensor attribute
                 row: Any = (value.dtype, value.device, tuple(value.shape), value.requires_grad)
@@ -555,6 +565,8 @@ class CompiledTarget:
     ) -> None:
         self.c = TargetCode(self._func, compile_kwargs, guard_filter, install_free_tensors, shared)
         self.c.members.append(self)
+        if shared:
+            self.c.key = structure_key(self.module, self._func)
         if self.c.install_free_tensors:
             region = _nested_compile_region(self.module)
             if region is not None:
@@ -565,10 +577,23 @@ class CompiledTarget:
         self.c.rebuild()
         self.compiled = self._caller()
 
-    def detach(self) -> None:
-        """Stop sharing code with other targets (this target is being replaced)."""
+    def detach(self) -> bool:
+        """Stop sharing code with other targets (this target is being replaced).
+
+        Returns False when no other target shares its code."""
         if self in self.c.members and len(self.c.members) > 1:
             self.c.members.remove(self)
+            self.c.current = None
+            return True
+        return False
+
+    def drifted(self) -> bool:
+        """Whether this member of shared code no longer has the group's structure."""
+        return self.c.key is not None and structure_key(self.module, self._func) != self.c.key
+
+    def leave_shared_code(self, why: str) -> None:
+        """Give this target code of its own (public for the engine's boundary check)."""
+        self._leave_shared_code(why)
 
     def _caller(self) -> Callable[..., Any]:
         """What a call of the module runs: the code's compiled trampoline."""
@@ -711,6 +736,7 @@ class CompiledTarget:
         """Give this target private code of its own (it no longer fits the shared one)."""
         old = self.c
         old.members.remove(self)
+        old.current = None
         self.own_code = why
         self._own_code(
             old._kwargs,
@@ -731,10 +757,19 @@ class CompiledTarget:
         if len(c.members) < 2:
             return
         stale, unmatched = self.check_assertions()
-        if stale is not None:
-            self._leave_shared_code(f"{stale}: a dropped guard; the shared code does not fit it")
-        elif unmatched is not None:
-            self._leave_shared_code(f"{unmatched}: no shared entry fits it")
+        why = None
+        if self.drifted():
+            why = "its structure changed (parameters, submodules or attributes)"
+        elif stale is not None:
+            why = f"{stale}: a dropped guard; the shared code does not fit it"
+        elif unmatched is not None and _mode(self.module) in c.modes:
+            # Not for a mode no entry was compiled for yet: Dynamo compiles that one.
+            why = f"{unmatched}: no shared entry fits it"
+        if why is None:
+            return
+        self._leave_shared_code(why)
+        if self.fast:  # under the stance: leave it, the new code has no entry yet
+            self._on_miss(self, f"left its class's shared code ({why})")
 
     def cache_entries(self) -> int:
         """Cache entries Dynamo holds for the root code (-1 when this torch cannot tell)."""
@@ -919,7 +954,9 @@ class CompiledTarget:
         plain = getattr(self, "_plain", None)
         if plain is None:
             return None
-        self.compiled = plain
+        # The current code's caller: the code may have been rebuilt, or this target
+        # may have left shared code, while it verified.
+        self.compiled = self._caller()
         self._plain = None
         return self._mismatch
 

@@ -193,3 +193,67 @@ def test_share_groups() -> None:
     assert structure_key(a) == structure_key(b)
     assert share_groups([a, b, c, frozen, hooked, lone]) == [0, 0, None, None, None, None]
     assert share_groups([c, a, lone, b, Block(d=4)]) == [0, 1, None, 1, 0]
+
+
+class Freeze(L.Callback):
+    """Freezes block 2 at the start of epoch 1 (its parameters stay in the optimizer)."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.current_epoch == 1:
+            pl_module.net.blocks[2].requires_grad_(False)
+
+
+def test_a_block_frozen_at_a_boundary_leaves_the_group() -> None:
+    """Block 2's parameters stop requiring grad: its structure no longer matches the
+    group's. It leaves for code of its own; the others keep the shared entries and
+    still get their gradients (eager-equal)."""
+    eager = run(same_blocks, None, [Freeze()])
+    cb = guard("aggressive", targets=["net.blocks.*"])
+    guarded = run(same_blocks, cb, [Freeze()])
+    assert_eager_equal(eager, guarded)
+    s = cb.summary()
+    assert [o["target"] for o in s["own_code"]] == ["net.blocks.2"]
+    assert "requires_grad" in s["own_code"][0]["why"]
+    assert any(r["reason"].startswith("net.blocks.2:") for r in s["rearms"]), s["rearms"]
+
+
+def test_a_member_that_leaves_during_a_verify_batch_runs_its_own_code() -> None:
+    """Leaving shared code while a verify wrapper is installed: after the verify
+    batch the member runs its new code, not the group's."""
+    from guardtrain import filters
+    from guardtrain.compile import CompiledTarget
+
+    class Cfg:
+        def __init__(self, act: Any) -> None:
+            self.act = act
+
+    class CfgBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.cfg = Cfg(torch.relu)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.cfg.act(self.lin(x))
+
+    flt = filters.with_floor(filters.resolve("skip_all_nn_modules"))
+    hooks: dict[str, Any] = {"on_compile": lambda t, r: None, "on_miss": lambda t, r: True}
+    a, b = CfgBlock(), CfgBlock()
+    ta = CompiledTarget("a", a, {"backend": "eager"}, flt, False, shared=True, **hooks)
+    tb = CompiledTarget("b", b, {"backend": "eager"}, flt, False, share_with=ta, **hooks)
+    x = torch.randn(2, 4)
+    try:
+        with torch.no_grad():
+            a(x), b(x)
+            b.cfg.act = torch.tanh  # a dropped guard: block a's entry no longer fits b
+            for t in (ta, tb):
+                t.start_verify(1e-4, 1e-6)
+            a(torch.randn(3, 4))  # a compile: b re-checks the shared entries at its call
+            b(x)
+            assert tb.own_code is not None and not tb.shared
+            assert ta.stop_verify() is None and tb.stop_verify() is None
+            assert torch.equal(b(x), torch.tanh(b.lin(x)))
+            assert torch.equal(a(x), torch.relu(a.lin(x)))
+    finally:
+        ta.uninstall()
+        tb.uninstall()

@@ -105,7 +105,7 @@ def _first_line(reason: str) -> str:
 
 def _is_trampoline(frame: Any) -> bool:
     return (
-        frame.name == _compile._TRAMPOLINE_NAME
+        frame.name in (_compile._TRAMPOLINE_NAME, _compile._SHARED_TRAMPOLINE_NAME)
         and os.path.normcase(os.path.abspath(frame.filename)) == _TRAMPOLINE_FILE
     )
 

@@ -891,10 +891,10 @@ class GuardEngine:
         run = self.run
         text = _breaks.describe(found) or "reason unknown"
         label = self._label(target)
-        target.rebuild()  # forget its entries, resume functions included
+        if not target.detach():  # the last user of its code (the others split in this pass)
+            target.rebuild()  # forget its entries, resume functions included
         target.uninstall()
         index = run.targets.index(target)
-        target.detach()
         made = self._make_targets(parts)
         run.targets[index : index + 1] = made
         run.target_names = [self._label(t) for t in run.targets]
@@ -940,8 +940,16 @@ class GuardEngine:
         # collective: with paired calls every rank rebuilds together.
         if self._any_rank(bool(rebuild)) and not rebuild:
             rebuild = [(t, "another rank rebuilt its targets") for t in run.targets]
+        rebuilt: set[int] = set()
         for target, change in rebuild:
-            self._rebuild(target, change)
+            if target.shared and len(target.c.members) > 1 and target.drifted():
+                # Only this member changed its structure: it leaves the shared code,
+                # whose entries stay right for the others (H24).
+                target.leave_shared_code(f"{change}: it no longer has its group's structure")
+                self._rearm(None, f"{self._label(target)}: {change}; compiling it alone")
+            elif id(target.c) not in rebuilt:  # shared code is rebuilt once
+                rebuilt.add(id(target.c))
+                self._rebuild(target, change)
 
     # -- metrics -----------------------------------------------------------------------------
 
