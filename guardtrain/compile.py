@@ -880,6 +880,17 @@ class CompiledTarget:
             previous = cfg.install_free_tensors
             cfg.install_free_tensors = True
             compiles = target.compiles
+            # Only the trampoline's own frame may trace with free tensors: a frame
+            # Dynamo compiles after a graph break in this call is code that other
+            # instances share (the class's `forward` or its resume functions, H12).
+            code = c.code
+
+            def only_the_trampoline(_: Any) -> None:
+                cfg.install_free_tensors = _compiling_frame()[0] is code
+
+            callbacks = _callback_handler()
+            if callbacks is not None:
+                callbacks.register_start_callback(only_the_trampoline)
             try:
                 return target.compiled(*args, **kwargs)
             except AssertionError as err:
@@ -898,6 +909,8 @@ class CompiledTarget:
                 )
                 target.rebuild()
             finally:
+                if callbacks is not None:
+                    callbacks.remove_start_callback(only_the_trampoline)
                 cfg.install_free_tensors = previous
             return target.compiled(*args, **kwargs)
 
@@ -989,6 +1002,11 @@ _any_mode_on_stack: Callable[[], bool] = getattr(
 _any_mode: Callable[[], bool] = getattr(
     _python_dispatch, "is_in_any_mode_without_ignore_compile_internals", lambda: False
 )
+
+
+def _callback_handler() -> Any:
+    """Dynamo's compile callbacks (``torch._dynamo.callback_handler``), or None."""
+    return getattr(torch._dynamo, "callback_handler", None)
 
 
 def dispatch_mode_active() -> bool:

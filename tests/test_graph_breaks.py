@@ -176,3 +176,59 @@ def test_a_break_at_the_call_into_torchs_own_code_is_seen(targets: list[str] | N
         assert "graph breaks" in (s["stance_blocked"] or "")
         [off] = s["switched_off"]
         assert re.search(ITEM, off["why"]), off
+
+
+class BreakingBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.lin2 = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lin(x)
+        torch._dynamo.graph_break()
+        return x + self.lin2(x)
+
+
+class BreakingStack(L.LightningModule):
+    """Repeated blocks that break the graph inside their own ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(*[BreakingBlock() for _ in range(4)])
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x).sum(-1, keepdim=True), y)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("preset", ["safe", "aggressive"])
+def test_repeated_blocks_breaking_inside_their_forward_match_eager_from_the_first_batch(
+    preset: str,
+) -> None:
+    """The frames after each break are the blocks' shared `forward`: they must not be
+    traced with `install_free_tensors`, or blocks 1-3 would run block 0's weights
+    in the first batch, before the split (H12, H20)."""
+
+    def run_stack(callback: L.Callback | None) -> BreakingStack:
+        L.seed_everything(0, verbose=False)
+        model = BreakingStack()
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+        trainer = make_trainer([callback] if callback else [], max_epochs=2)
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
+        return model
+
+    eager = run_stack(None)
+    guarded = run_stack(guard(preset))
+    assert len(eager.losses) == len(guarded.losses) == 16
+    for i, (a, b) in enumerate(zip(eager.losses, guarded.losses)):
+        assert torch.equal(a, b), f"loss {i}"
+    for (key, a), b in zip(eager.state_dict().items(), guarded.state_dict().values()):
+        assert torch.equal(a, b), key
