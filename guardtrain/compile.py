@@ -281,6 +281,12 @@ UNACCEPTED = "no compiled entry's guards accept the call's inputs"
 _SHARED_NAME = "module"
 
 
+_cache_entry_list: Callable[[types.CodeType], list[Any]] | None = getattr(
+    torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None
+)
+"""Dynamo's cache entries of a code object, newest first (None on a torch without it)."""
+
+
 class TargetCode:
     """One compiled trampoline and what Dynamo compiled for it.
 
@@ -310,7 +316,6 @@ class TargetCode:
         self.generation = 0
         """Counts compiles and rebuilds: a member re-checks its fit when it moved."""
         self.compiles = 0
-        self.free_tensors_off: str | None = None
         self._kwargs = compile_kwargs
         self._filter = guard_filter or keep_all
         self._shared_codes: set[types.CodeType] = set()
@@ -321,7 +326,14 @@ class TargetCode:
         self.compiled: Callable[..., Any]
         self.assertions: list[tuple[Assertion, ...]] = []
         self.modes: set[Mode] = set()
+        """``(training, grad enabled, inference mode, autocast on)`` of every compile."""
         self.fast_modes: set[Mode] = set()
+        """The modes a call may have under the stance: compiled, and, unless a
+        ``.training`` guard failed once (the stance evaluates guards that failed,
+        H1), the only training value compiled with that grad mode and autocast:
+        otherwise the stance picks among entries by global state and shapes and
+        cannot tell a training entry from an eval one (a validation call would run
+        the training graph)."""
         self.graph_breaks = False
 
     def rebuild(self) -> None:
@@ -409,10 +421,9 @@ class TargetCode:
 
     def cache_entries(self) -> int:
         """Cache entries Dynamo holds for the trampoline (-1 when this torch cannot tell)."""
-        getter = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
-        if getter is None:
+        if _cache_entry_list is None:
             return -1
-        return len(getter(self.code))
+        return len(_cache_entry_list(self.code))
 
 
 _SCALAR_TYPES = (bool, int, float, str, type(None))
@@ -591,10 +602,6 @@ class CompiledTarget:
         """Whether this member of shared code no longer has the group's structure."""
         return self.c.key is not None and structure_key(self.module, self._func) != self.c.key
 
-    def leave_shared_code(self, why: str) -> None:
-        """Give this target code of its own (public for the engine's boundary check)."""
-        self._leave_shared_code(why)
-
     def _caller(self) -> Callable[..., Any]:
         """What a call of the module runs: the code's compiled trampoline."""
         c = self.c
@@ -634,21 +641,6 @@ class CompiledTarget:
         return self.c.assertions
 
     @property
-    def modes(self) -> set[Mode]:
-        """``(training, grad enabled, inference mode, autocast on)`` of every compile."""
-        return self.c.modes
-
-    @property
-    def fast_modes(self) -> set[Mode]:
-        """The modes a call may have under the stance: compiled, and, unless a
-        ``.training`` guard failed once (the stance evaluates guards that failed,
-        H1), the only training value compiled with that grad mode and autocast:
-        otherwise the stance picks among entries by global state and shapes and
-        cannot tell a training entry from an eval one (a validation call would run
-        the training graph)."""
-        return self.c.fast_modes
-
-    @property
     def install_free_tensors(self) -> bool:
         return self.c.install_free_tensors
 
@@ -666,14 +658,8 @@ class CompiledTarget:
     def drops_guards(self, value: bool) -> None:
         self.c.drops_guards = value
 
-    @property
-    def free_tensors_off(self) -> str | None:
-        """Why ``install_free_tensors`` was switched off for this target, if it was."""
-        return self.c.free_tensors_off
-
     def _free_tensors_off(self, why: str) -> None:
         self.c.install_free_tensors = False
-        self.c.free_tensors_off = why
         if self._on_switch_off is not None:
             self._on_switch_off(self, why)
 
@@ -732,7 +718,7 @@ class CompiledTarget:
         else:
             self.compiled = self._caller()
 
-    def _leave_shared_code(self, why: str) -> None:
+    def leave_shared_code(self, why: str) -> None:
         """Give this target private code of its own (it no longer fits the shared one)."""
         old = self.c
         old.members.remove(self)
@@ -767,7 +753,7 @@ class CompiledTarget:
             why = f"{unmatched}: no shared entry fits it"
         if why is None:
             return
-        self._leave_shared_code(why)
+        self.leave_shared_code(why)
         if self.fast:  # under the stance: leave it, the new code has no entry yet
             self._on_miss(self, f"left its class's shared code ({why})")
 
@@ -783,15 +769,14 @@ class CompiledTarget:
         specialisation, global state), on the call's arguments: what Dynamo checks
         without the stance. Costs one guard evaluation per entry tried.
         """
-        getter = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
-        if getter is None:
+        if _cache_entry_list is None:
             return False
         c = self.c
         if c.shared:
             scope = {_SHARED_NAME: self.module, "args": args, "kwargs": kwargs, "forward": c.func}
         else:
             scope = {"args": args, "kwargs": kwargs, _CLOSURE_NAME: self._bound}
-        for entry in getter(c.code):
+        for entry in _cache_entry_list(c.code):
             manager = getattr(entry, "guard_manager", None)
             if manager is not None and manager.check(scope):
                 self.checks += 1
@@ -846,6 +831,12 @@ class CompiledTarget:
 
         module = self.module
 
+        def only_the_trampoline(_: Any) -> None:
+            # Only the trampoline's own frame may trace with free tensors: a frame
+            # Dynamo compiles after a graph break in the same call is code that other
+            # instances share (the class's `forward` or its resume functions, H12).
+            cfg.install_free_tensors = _compiling_frame()[0] is target.c.code
+
         @functools.wraps(self._func)
         def forward(*args: Any, **kwargs: Any) -> Any:
             c = target.c
@@ -880,14 +871,6 @@ class CompiledTarget:
             previous = cfg.install_free_tensors
             cfg.install_free_tensors = True
             compiles = target.compiles
-            # Only the trampoline's own frame may trace with free tensors: a frame
-            # Dynamo compiles after a graph break in this call is code that other
-            # instances share (the class's `forward` or its resume functions, H12).
-            code = c.code
-
-            def only_the_trampoline(_: Any) -> None:
-                cfg.install_free_tensors = _compiling_frame()[0] is code
-
             callbacks = _callback_handler()
             if callbacks is not None:
                 callbacks.register_start_callback(only_the_trampoline)
