@@ -72,7 +72,7 @@ class GuardTuneCallback(Callback):
       its parts (H20).
 
     Args:
-        preset: ``"off"``, ``"safe"``, ``"balanced"`` or ``"aggressive"`` (see
+        preset: ``"off"``, ``"safe"``, ``"balanced"``, ``"aggressive"`` or ``"turbo"`` (see
             :data:`guardtrain.PRESETS`). Explicit arguments below override it.
         warmup_steps: training batches with full guards before the stance (preset: 20).
         stable_steps: the last ``stable_steps`` batches must not have compiled (preset: 10).
@@ -91,6 +91,19 @@ class GuardTuneCallback(Callback):
             after segfaults: pytorch/pytorch#181873). ``True`` where torch's
             default is off warns once.
         use_stance: enter the unsafe stance once a loop is warm.
+        direct_dispatch: in the steady state, run each compiled call's cache entry
+            directly, below Dynamo's entry path (preset ``turbo``). Each call is
+            checked first: its ``(training, grad, inference mode, autocast)``
+            mode, Dynamo's global-state guard, the input tensors' dtype, device,
+            ``requires_grad``, sizes, strides and dispatch keys, the values of
+            non-tensor arguments, no active compile callback, torch-function mode
+            or saved-tensor hooks, and that the entry is still in Dynamo's cache;
+            a call that fails one takes the normal path. The entry for a mode is
+            the one that Dynamo's own guards accept for the first steady call of
+            that mode, chosen again after every boundary, audit and re-arm.
+            Refused (the summary says why) for a target with graph breaks, under
+            FSDP (``FSDPStrategy``, ``ModelParallelStrategy``, ``fully_shard``),
+            and with ``guard_collectives=True``. Needs ``use_stance``.
         unsafe_drop_floor: do not combine the guard filter with the soundness
             floor. Unsafe: ``eval()`` or a new dtype may then silently reuse code.
         log_metrics: log ``guard/phase``, ``guard/compiles`` and ``guard/rearms``
@@ -168,6 +181,7 @@ class GuardTuneCallback(Callback):
         install_free_tensors: bool | None = None,
         recursive_dict_tags: bool | None = None,
         use_stance: bool | None = None,
+        direct_dispatch: bool | None = None,
         unsafe_drop_floor: bool = False,
         log_metrics: bool = True,
         audit_every: int | None = 200,

@@ -10,6 +10,7 @@ use_stance=False)`` reads as "the balanced preset, but never enter the stance".
 | safe       | torch's default     | yes                  | none                     | no     |
 | balanced   | torch's default     | yes                  | skip_inbuilt_nn_modules  | yes    |
 | aggressive | torch's default     | yes                  | skip_all_nn_modules      | yes    |
+| turbo      | torch's default     | yes                  | skip_all_nn_modules      | yes, and direct dispatch |
 
 Every preset compiles; ``off`` only leaves Dynamo's guards as they are.
 
@@ -18,6 +19,15 @@ removes the pre-graph bytecode that passes the parameters in as graph inputs,
 and guardtrain gives each target a private code object (instances never share
 a graph) and re-checks parameter identity at loop and epoch boundaries (a
 replaced parameter rebuilds the target).
+
+``turbo`` is ``aggressive`` plus direct dispatch (``direct_dispatch=True``): in
+the steady state each compiled call runs the cache entry that Dynamo chose for
+its mode directly, below Dynamo's entry path, after guardtrain's own per-call
+checks (the call's mode, global state, the input tensors' metadata, the values
+of non-tensor arguments, no active compile callback, torch-function mode or
+saved-tensor hooks, and that the entry is still in Dynamo's cache). A call that
+fails a check takes the normal path. Targets with graph breaks, FSDP runs and
+``guard_collectives=True`` are refused, and the summary says why.
 
 Recursive dict tags (``torch._dynamo.config.use_recursive_dict_tags_for_guards``)
 stay at torch's default in every preset (``recursive_dict_tags=None``): PyTorch
@@ -60,6 +70,10 @@ class GuardPreset:
     use_stance: bool = False
     """Enter ``set_stance(skip_guard_eval_unsafe=True)`` once a loop is warm."""
 
+    direct_dispatch: bool = False
+    """In the steady state, run each call's compiled entry directly, below Dynamo's
+    entry path, after guardtrain's own per-call checks (needs ``use_stance``)."""
+
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "stable_steps"):
             value = getattr(self, name)
@@ -71,7 +85,7 @@ class GuardPreset:
             raise GuardTrainValueError(f"`warmup_steps` must be >= 0, got {self.warmup_steps}.")
         if self.stable_steps < 1:
             raise GuardTrainValueError(f"`stable_steps` must be >= 1, got {self.stable_steps}.")
-        for name in ("install_free_tensors", "use_stance"):
+        for name in ("install_free_tensors", "use_stance", "direct_dispatch"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise GuardTrainTypeError(
@@ -102,11 +116,17 @@ PRESETS: Mapping[str, GuardPreset] = MappingProxyType(
             guard_filter="skip_all_nn_modules",
             use_stance=True,
         ),
+        "turbo": GuardPreset(
+            install_free_tensors=True,
+            guard_filter="skip_all_nn_modules",
+            use_stance=True,
+            direct_dispatch=True,
+        ),
     }
 )
 """Preset name -> :class:`GuardPreset`."""
 
-PresetName = Literal["off", "safe", "balanced", "aggressive"]
+PresetName = Literal["off", "safe", "balanced", "aggressive", "turbo"]
 """The keys of :data:`PRESETS`, in order, as a type: ``GuardTuneCallback(preset=...)``
 is annotated with it, so type checkers and LightningCLI (``--help``) know the names."""
 

@@ -174,6 +174,7 @@ class GuardTuner:
         install_free_tensors: bool | None = None,
         recursive_dict_tags: bool | None = None,
         use_stance: bool | None = None,
+        direct_dispatch: bool | None = None,
         unsafe_drop_floor: bool = False,
         log_metrics: bool = True,
         audit_every: int | None = 200,

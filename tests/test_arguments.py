@@ -7,6 +7,7 @@ through Hydra are in ``test_hydra.py``, bad models (refused when the run starts)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -41,6 +42,12 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], type[GuardTrainError], str]] = [
     # flags
     ({"use_stance": "yes"}, GuardTrainTypeError, r"`use_stance` must be a bool, got 'yes'"),
     ({"install_free_tensors": 1}, GuardTrainTypeError, r"`install_free_tensors` must be a bool"),
+    ({"direct_dispatch": "on"}, GuardTrainTypeError, r"`direct_dispatch` must be a bool, got 'on'"),
+    (
+        {"preset": "turbo", "use_stance": False},
+        GuardTrainValueError,
+        r"`direct_dispatch=True` needs the stance, but use_stance=False \(preset 'turbo'\)",
+    ),
     (
         {"recursive_dict_tags": "no"},
         GuardTrainTypeError,
@@ -189,7 +196,7 @@ def test_explicit_arguments_override_the_preset() -> None:
 
 
 def test_presets_table() -> None:
-    assert list(PRESETS) == ["off", "safe", "balanced", "aggressive"]
+    assert list(PRESETS) == ["off", "safe", "balanced", "aggressive", "turbo"]
     assert not PRESETS["off"].use_stance and PRESETS["off"].guard_filter is None
     # Every preset leaves recursive dict tags at torch's default (H22, pytorch#181873).
     assert all(p.recursive_dict_tags is None for p in PRESETS.values())
@@ -199,6 +206,9 @@ def test_presets_table() -> None:
     assert PRESETS["balanced"].guard_filter == "skip_inbuilt_nn_modules"
     assert PRESETS["aggressive"].guard_filter == "skip_all_nn_modules"
     assert PRESETS["aggressive"].use_stance and PRESETS["aggressive"].install_free_tensors
+    # `turbo`: aggressive plus direct dispatch, and only that.
+    assert not any(p.direct_dispatch for name, p in PRESETS.items() if name != "turbo")
+    assert PRESETS["turbo"] == dataclasses.replace(PRESETS["aggressive"], direct_dispatch=True)
     with pytest.raises(AttributeError):
         PRESETS["off"].use_stance = True  # type: ignore[misc]
 

@@ -125,6 +125,7 @@ def make_config(
     install_free_tensors: bool | None = None,
     recursive_dict_tags: bool | None = None,
     use_stance: bool | None = None,
+    direct_dispatch: bool | None = None,
     unsafe_drop_floor: bool = False,
     log_metrics: bool = True,
     audit_every: int | None = 200,
@@ -152,12 +153,19 @@ def make_config(
             "install_free_tensors": install_free_tensors,
             "recursive_dict_tags": recursive_dict_tags,
             "use_stance": use_stance,
+            "direct_dispatch": direct_dispatch,
         }.items()
         if v is not None
     }
     if isinstance(guard_filter, str):
         overrides["guard_filter"] = guard_filter
     levers = dataclasses.replace(base, **overrides)
+    if levers.direct_dispatch and not levers.use_stance:
+        raise GuardTrainValueError(
+            f"`direct_dispatch=True` needs the stance, but use_stance=False (preset {preset!r}): "
+            "direct dispatch runs only in the steady state. Pass use_stance=True, or "
+            "direct_dispatch=False."
+        )
     for flag, value in (
         ("unsafe_drop_floor", unsafe_drop_floor),
         ("log_metrics", log_metrics),
