@@ -287,6 +287,129 @@ _cache_entry_list: Callable[[types.CodeType], list[Any]] | None = getattr(
 """Dynamo's cache entries of a code object, newest first (None on a torch without it)."""
 
 
+# -- direct dispatch (turbo) ------------------------------------------------------------------
+
+_guards = torch._C._dynamo.guards
+_eval_frame = torch._dynamo.eval_frame
+_frame_callback: Callable[[], Any] = torch._C._dynamo.eval_frame.get_eval_frame_callback
+_function_modes: Callable[[], int] = torch._C._len_torch_function_stack
+_saved_hooks: Callable[[bool], Any] = torch._C._autograd._top_saved_tensors_default_hooks
+_live_codes: dict[int, Any] | None = getattr(
+    getattr(torch._dynamo.utils, "orig_code_map", None), "values", None
+)
+"""Dynamo's map from each compiled entry's code to its original code, keyed by ``id``.
+
+``torch._dynamo.reset()`` empties it in place, and an entry's code stays alive while
+a dispatch holds it, so ``id(code) in _live_codes`` tells whether Dynamo still knows
+the entry (H30)."""
+DIRECT_LIMIT = 8
+"""Dispatches kept per mode (input signatures, e.g. a short last batch)."""
+_TENSOR = object()
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def direct_supported() -> bool:
+    """Whether this torch has what direct dispatch needs (else turbo is refused)."""
+    return (
+        _cache_entry_list is not None
+        and _live_codes is not None
+        and hasattr(_guards, "TensorGuards")
+        and hasattr(_guards, "GlobalStateGuard")
+    )
+
+
+def _walk(value: Any, key: list[Any], tensors: list[torch.Tensor]) -> bool:
+    """Describe ``value`` into ``key`` (structure, plain values) and collect its tensors;
+    False for anything else (its state could change without a visible difference)."""
+    kind = type(value)
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
+        key.append(_TENSOR)
+        tensors.append(value)
+        return True
+    if kind in _PLAIN:
+        key.append((kind, value))
+        return True
+    if kind is tuple or kind is list:
+        key.append((kind, len(value)))
+        return all(_walk(v, key, tensors) for v in value)
+    if kind is dict:
+        key.append((kind, tuple(value)))
+        return all(_walk(v, key, tensors) for v in value.values())
+    return False
+
+
+def call_key(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
+    """A call's structure and plain argument values, and its tensors in order; None when
+    an argument is something else (a module, a custom object): that call is not
+    dispatched directly."""
+    key: list[Any] = [len(args)]
+    tensors: list[torch.Tensor] = []
+    for value in args:
+        if not _walk(value, key, tensors):
+            return None
+    if kwargs:
+        key.append(tuple(kwargs))
+        for value in kwargs.values():
+            if not _walk(value, key, tensors):
+                return None
+    return tuple(key), tensors
+
+
+def outside_state_clear() -> bool:
+    """No compile callback, torch-function mode or saved-tensor hooks active (what the
+    guards of a frame check about the outside world, beside global state)."""
+    return _frame_callback() is None and not _function_modes() and _saved_hooks(True) is None
+
+
+def unsafe_stance_only() -> bool:
+    """The stance is the plain unsafe one guardtrain sets (not ``force_eager``, not
+    another backend): a harvested entry runs what Dynamo would run under it."""
+    stance = _eval_frame._stance
+    return stance.stance == "default" and stance.skip_guard_eval_unsafe and stance.backend is None
+
+
+class Direct:
+    """One harvested cache entry of a trampoline, and what a call must match to run it.
+
+    Made from a real call that the entry's own guard manager accepted (every guard
+    the filter kept); a later call runs the entry's code directly when its mode is
+    the same, Dynamo's global-state guard holds, its arguments have the same
+    structure and plain values, and its tensors pass ``TensorGuards`` built from the
+    harvested call (dtype, device, ``requires_grad``, dispatch keys, sizes, strides).
+    """
+
+    __slots__ = ("code", "fn", "global_state", "key", "stance", "tensors")
+
+    def __init__(
+        self,
+        entry: Any,
+        closure: tuple[types.CellType, ...],
+        key: tuple[Any, ...],
+        tensors: list[torch.Tensor],
+    ) -> None:
+        self.code: types.CodeType = entry.code
+        self.fn = types.FunctionType(entry.code, globals(), entry.code.co_name, None, closure)
+        self.key = key
+        # Static sizes and strides (None: every dimension as the tensor has it now).
+        self.tensors = _guards.TensorGuards(
+            *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None
+        )
+        self.global_state = _guards.GlobalStateGuard()
+        self.stance = _eval_frame._stance
+
+    def matches(self, key: tuple[Any, ...], tensors: list[torch.Tensor]) -> bool:
+        assert _live_codes is not None
+        return (
+            key == self.key
+            and _eval_frame._stance is self.stance
+            and id(self.code) in _live_codes
+            and self.global_state.check()
+            and self.tensors.check(*tensors)
+        )
+
+
 class TargetCode:
     """One compiled trampoline and what Dynamo compiled for it.
 
@@ -335,6 +458,7 @@ class TargetCode:
         cannot tell a training entry from an eval one (a validation call would run
         the training graph)."""
         self.graph_breaks = False
+        self.closure: tuple[types.CellType, ...] = ()
 
     def rebuild(self) -> None:
         """Compile a fresh code object: every entry of the old one is forgotten.
@@ -358,13 +482,15 @@ class TargetCode:
         self.graph_breaks = False
         self.generation += 1
         for member in self.members:
+            member.forget_dispatch()
             member.calls = 0
             member.reference = None
         if not self.drops_guards:
             self._filter = keep_all
         cell = types.CellType(self.func if self.shared else self.members[0]._bound)
         name = _SHARED_TRAMPOLINE_NAME if self.shared else _TRAMPOLINE_NAME
-        fn = types.FunctionType(self.code, globals(), name, None, (cell,))
+        self.closure = (cell,)
+        fn = types.FunctionType(self.code, globals(), name, None, self.closure)
         self.compiled = torch.compile(fn, **build_compile_kwargs(self._kwargs, self._track))
 
     def _track(self, entries: Sequence[Any]) -> list[bool]:
@@ -530,6 +656,18 @@ class CompiledTarget:
         self.requested_free_tensors = install_free_tensors
         self.fast = False
         """True while the unsafe stance is on: calls skip the config patch."""
+        self.direct_allowed = False
+        """Direct dispatch is wanted for this target (``direct_dispatch``, not refused)."""
+        self.direct = False
+        """True while calls under the stance may run a harvested entry directly."""
+        self.direct_calls = 0
+        """Calls that ran a harvested entry directly."""
+        self.table: dict[Mode, list[Direct]] = {}
+        """Harvested entries per mode (direct dispatch), for this module: with shared
+        code another member's kept guards (a scalar attribute) may pick another entry.
+        Emptied whenever the stance goes off and on every rebuild."""
+        self.harvests = 0
+        """Guard-manager evaluations spent harvesting since the table was last emptied."""
         self.checking = False
         """While True (a batch with an unseen signature under the stance), each call
         under the stance first evaluates the cache entries' guards itself (H26)."""
@@ -757,6 +895,47 @@ class CompiledTarget:
         if self.fast:  # under the stance: leave it, the new code has no entry yet
             self._on_miss(self, f"left its class's shared code ({why})")
 
+    def set_fast(self, on: bool) -> None:
+        """The stance went on or off: calls under it skip the config patch, and with
+        direct dispatch allowed run harvested entries. Off empties the dispatch table
+        (it is harvested again, from real calls, when the stance is next on)."""
+        self.fast = on
+        self.direct = on and self.direct_allowed and self._plain is None and not self.graph_breaks
+        if not on:
+            self.forget_dispatch()
+
+    def forget_dispatch(self) -> None:
+        """Empty the dispatch table: later calls harvest again from real calls."""
+        self.table = {}
+        self.harvests = 0
+
+    def may_harvest(self, mode: Mode) -> bool:
+        """Whether another harvest is allowed: :data:`DIRECT_LIMIT` per mode, four
+        times that in all, until the table is next emptied (inputs that change every
+        call would otherwise pay a guard evaluation and a table search each)."""
+        return len(self.table.get(mode, ())) < DIRECT_LIMIT and self.harvests < 4 * DIRECT_LIMIT
+
+    def harvest(
+        self, mode: Mode, key: tuple[Any, ...], tensors: list[torch.Tensor], args: Any, kwargs: Any
+    ) -> Direct | None:
+        """The cache entry that Dynamo would choose for this call with full guards (the
+        first whose guard manager accepts it, in cache order), as a :class:`Direct`
+        for calls like it; None when no entry accepts the call."""
+        c = self.c
+        table = self.table.setdefault(mode, [])
+        self.harvests += 1
+        if c.shared:
+            scope = {_SHARED_NAME: self.module, "args": args, "kwargs": kwargs, "forward": c.func}
+        else:
+            scope = {"args": args, "kwargs": kwargs, _CLOSURE_NAME: self._bound}
+        for entry in _cache_entry_list(c.code):
+            manager = getattr(entry, "guard_manager", None)
+            if manager is not None and manager.check(scope):
+                direct = Direct(entry, c.closure, key, tensors)
+                table.append(direct)
+                return direct
+        return None
+
     def cache_entries(self) -> int:
         """Cache entries Dynamo holds for the root code (-1 when this torch cannot tell)."""
         return self.c.cache_entries()
@@ -845,14 +1024,38 @@ class CompiledTarget:
                 c = target.c
             if target.fast:
                 mode = (module.training, is_grad_enabled(), is_inference(), any_autocast())
+                direct = None
                 if mode not in c.fast_modes:
                     # The stance could pick an entry compiled for another mode.
                     target._on_miss(target, _describe_mode(mode, mode in c.modes))
-                elif target.checking and not target.accepts(args, kwargs):
+                elif target.direct and (found := call_key(args, kwargs)) is not None:
+                    # Turbo (H30): the entry Dynamo chose for a call like this one, run
+                    # below Dynamo's entry path once guardtrain's own checks pass.
+                    key, tensors = found
+                    if outside_state_clear():
+                        for direct in target.table.get(mode, ()):
+                            if direct.matches(key, tensors):
+                                break
+                        else:
+                            direct = None
+                            if target.may_harvest(mode) and unsafe_stance_only():
+                                direct = target.harvest(mode, key, tensors, args, kwargs)
+                                if direct is None:
+                                    # No entry's guards accept the call: the stance would
+                                    # run one compiled for other inputs (H26).
+                                    target._on_miss(target, UNACCEPTED)
+                    if direct is not None:
+                        target.direct_calls += 1
+                        if target.checking:
+                            target.checks += 1
+                        if c.shared:
+                            return direct.fn(module, *args, **kwargs)
+                        return direct.fn(*args, **kwargs)
+                if target.fast and target.checking and not target.accepts(args, kwargs):
                     # Unseen inputs (H26): no entry's guards accept them, so the
                     # stance would run an entry compiled for other shapes.
                     target._on_miss(target, UNACCEPTED)
-                else:
+                elif target.fast:
                     try:
                         return target.compiled(*args, **kwargs)
                     except RuntimeError as err:
@@ -944,6 +1147,7 @@ class CompiledTarget:
 
         self._plain = plain
         self.compiled = verifying
+        self.direct = False  # a verified call takes the path that compares it with eager
 
     def stop_verify(self) -> str | None:
         """End verification; describe the first mismatch seen, or return None."""
@@ -954,6 +1158,7 @@ class CompiledTarget:
         # may have left shared code, while it verified.
         self.compiled = self._caller()
         self._plain = None
+        self.set_fast(self.fast)
         return self._mismatch
 
     def uninstall(self) -> None:
@@ -967,7 +1172,7 @@ class CompiledTarget:
             else:
                 self.module.__dict__[key] = value
         self._previous = {}
-        self.fast = False
+        self.set_fast(False)
 
 
 is_grad_enabled = torch.is_grad_enabled

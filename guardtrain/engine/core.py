@@ -29,6 +29,7 @@ from guardtrain.compile import (
     UNACCEPTED,
     CompiledTarget,
     TakeOver,
+    direct_supported,
     resolve_targets,
     share_groups,
     take_over_compiled,
@@ -94,6 +95,8 @@ class Levers:
     recursive_dict_tags: bool | None = None
     use_stance: bool = False
     guard_filter: GuardFilter | None = None
+    direct_dispatch: bool = False
+    """Turbo: run harvested entries directly in the steady state (not refused)."""
 
 
 @dataclass(slots=True)
@@ -141,6 +144,12 @@ class RunState:
     """Batches with an unseen signature that stayed under the stance."""
     checked_calls: int = 0
     """Calls in those batches that an entry's guards accepted."""
+    direct_refused: str | None = None
+    """Why direct dispatch (turbo) is off for the whole run, if it was asked for."""
+    direct_refused_targets: list[dict[str, str]] = field(default_factory=list)
+    """Targets refused direct dispatch, and why."""
+    direct_calls: int = 0
+    """Calls run directly by targets that are no longer in the run (split, replaced)."""
     audit_batch: bool = False
     verify_batch: bool = False
     active: bool = False
@@ -176,7 +185,12 @@ class GuardEngine:
         self.machine = PhaseMachine(lv.warmup_steps, lv.stable_steps, lv.use_stance)
         self.monitor = CompileMonitor()
         self.session = StanceSession(self.host.owner)
-        self.levers = Levers(lv.install_free_tensors, lv.recursive_dict_tags, lv.use_stance)
+        self.levers = Levers(
+            lv.install_free_tensors,
+            lv.recursive_dict_tags,
+            lv.use_stance,
+            direct_dispatch=lv.direct_dispatch,
+        )
         self.run = RunState()
 
     # -- what the adapters read -------------------------------------------------------------
@@ -227,12 +241,42 @@ class GuardEngine:
             "own_code": [
                 {"target": self._label(t), "why": t.own_code} for t in self.kept if t.own_code
             ],
+            "direct_dispatch": self._direct_summary(),
             "checked_batches": run.checked_batches + r.get("checked_batches", 0),
             "checked_calls": run.checked_calls + r.get("checked_calls", 0),
             "graph_breaks": [dict(b) for b in run.graph_breaks],
             "disabled": self.config.disabled,
             "compile_cache": warmstart.summary(self.compile_cache),
         }
+
+    def _direct_summary(self) -> dict[str, Any]:
+        """Direct dispatch (turbo): whether it is on, why not, and how many calls used it."""
+        run = self.run
+        return {
+            "requested": self.config.levers.direct_dispatch,
+            "on": self.levers.direct_dispatch,
+            "refused": run.direct_refused,
+            "refused_targets": self._direct_refusals() if self.levers.direct_dispatch else [],
+            "calls": run.direct_calls
+            + sum(t.direct_calls for t in self.kept)
+            + self.restored.get("direct_calls", 0),
+        }
+
+    def _direct_refusals(self) -> list[dict[str, str]]:
+        """Targets that may not run directly: refused at activation (FSDP's
+        ``fully_shard``), or with graph breaks (their resume frames would run eagerly;
+        they keep every guard and never use the stance)."""
+        found = list(self.run.direct_refused_targets)
+        named = {t["target"] for t in found}
+        for t in self.kept:
+            if t.graph_breaks and self._label(t) not in named:
+                found.append(
+                    {
+                        "target": self._label(t),
+                        "why": "graph breaks: the frames after a break would run eagerly",
+                    }
+                )
+        return found
 
     def _shared_code(self) -> list[dict[str, Any]]:
         """Groups of targets that share one compiled code object (H24)."""
@@ -294,6 +338,7 @@ class GuardEngine:
                 compile_events=s["compile_events"],
                 checked_batches=s["checked_batches"],
                 checked_calls=s["checked_calls"],
+                direct_calls=s["direct_dispatch"]["calls"],
             )
             self._ran = False
         self._new_run()
@@ -329,6 +374,26 @@ class GuardEngine:
             lv.use_stance = False
             self._switch_off("use_stance", f"needs torch>=2.6 (installed {torch.__version__})")
         self.machine.use_stance = lv.use_stance
+        if lv.direct_dispatch:
+            why = None
+            if not lv.use_stance:
+                why = "the stance is off"
+            elif self.config.guard_collectives and world_size > 1:
+                why = (
+                    "guard_collectives=True: a rank whose call took the normal path would "
+                    "issue a guard collective that ranks running directly never match"
+                )
+            elif swaps_parameters is not None:
+                why = (
+                    f"{swaps_parameters} gathers and frees parameters around every forward "
+                    "(FSDP): a directly run entry would bypass its hooks' expectations"
+                )
+            elif not direct_supported():
+                why = f"torch {torch.__version__} lacks Dynamo's cache-entry and guard APIs"
+            if why is not None:
+                lv.direct_dispatch = False
+                self.run.direct_refused = why
+                self.host.warn(f"guardtrain: direct dispatch (turbo) is refused: {why}.")
         spec = self.config.filter_spec
         resolved = _filters.resolve(spec)
         if resolved is None and spec not in (None, "keep_all"):
@@ -425,6 +490,8 @@ class GuardEngine:
                     target = kept[(name, id(module))]
                     target.install()
                     target.retry_eagerly = self._paired()
+                    target.direct_calls = 0  # counted in `restored`
+                    self._allow_direct(target)
                     run.targets.append(target)
             else:
                 run.targets = self._make_targets(resolved)
@@ -455,7 +522,25 @@ class GuardEngine:
                 )
             )
             made[-1].retry_eagerly = self._paired()
+            self._allow_direct(made[-1])
         return made
+
+    def _allow_direct(self, target: CompiledTarget) -> None:
+        """Whether ``target`` may run harvested entries directly (turbo, H30)."""
+        target.direct_allowed = False
+        if not self.levers.direct_dispatch:
+            return
+        sharded = _fully_sharded(target.module)
+        if sharded is not None:
+            self.run.direct_refused_targets.append(
+                {
+                    "target": self._label(target),
+                    "why": f"{sharded} is sharded with FSDP's fully_shard: its parameters "
+                    "are gathered and freed around every forward",
+                }
+            )
+            return
+        target.direct_allowed = True
 
     def _tell_take_over(self, names: list[str]) -> None:
         """One warning when the user's own compiles are taken over (once per change)."""
@@ -522,7 +607,7 @@ class GuardEngine:
     def _set_stance(self, on: bool) -> None:
         if self.session.set_stance(on):
             for target in self.run.targets:
-                target.fast = on
+                target.set_fast(on)
 
     def _switch_off(self, lever: str, why: str) -> None:
         self.run.switched_off.append({"lever": lever, "why": why})
@@ -572,7 +657,10 @@ class GuardEngine:
             target.checks = 0
 
     def _on_miss(self, target: CompiledTarget, reason: str) -> bool:
-        if reason is UNACCEPTED:
+        if reason is UNACCEPTED and self.run.checking is None:
+            # Turbo checks every call it would run directly (H30), not only unseen batches.
+            reason = f"no compiled entry of {self._label(target)!r} accepts a call's inputs"
+        elif reason is UNACCEPTED:
             reason = (
                 f"unseen batch signature {self.run.checking}: no compiled entry of "
                 f"{self._label(target)!r} accepts its inputs"
@@ -611,7 +699,14 @@ class GuardEngine:
                 else not m.collective
             )
             # Not with paired calls: the window's batches would shift this rank's audits.
-            if loop == TRAIN and measure and not self._paired() and "steady" not in run.lookup:
+            # Not under turbo: steady calls skip Dynamo's entry path, which the window profiles.
+            if (
+                loop == TRAIN
+                and measure
+                and not self._paired()
+                and not self.levers.direct_dispatch
+                and "steady" not in run.lookup
+            ):
                 run.measure, run.measure_left = "full", self.config.lookup_window
         elif blocked is not None and run.stance_blocked is None:
             run.changes += 1
@@ -894,6 +989,8 @@ class GuardEngine:
         if not target.detach():  # the last user of its code (the others split in this pass)
             target.rebuild()  # forget its entries, resume functions included
         target.uninstall()
+        run.direct_calls += target.direct_calls
+        target.direct_calls = 0
         index = run.targets.index(target)
         made = self._make_targets(parts)
         run.targets[index : index + 1] = made
@@ -970,6 +1067,18 @@ class GuardEngine:
             run.lookup_logged = True
             values["guard/lookup_us"] = run.lookup["steady"]
         self.host.log_metrics(values, self.train_batches())
+
+
+def _fully_sharded(module: nn.Module) -> str | None:
+    """The name of a module in ``module`` that FSDP2's ``fully_shard`` wrapped, or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without it
+        return None
+    for name, sub in module.named_modules():
+        if isinstance(sub, FSDPModule):
+            return type(sub).__name__ + (f" ({name})" if name else "")
+    return None
 
 
 def _regions(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -45,6 +45,17 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  guards µs/step   {lookup.get('full_guards', float('nan')):.1f} with full guards, "
             f"{lookup['steady']:.1f} under the stance (guard + pre-graph, profiled)"
         )
+    direct = s.get("direct_dispatch") or {}
+    if direct.get("requested"):
+        if direct.get("on"):
+            lines.append(
+                f"  direct dispatch  on: {direct.get('calls', 0)} calls ran a harvested entry "
+                "directly (guard µs/step not profiled: those calls skip Dynamo's entry path)"
+            )
+        else:
+            lines.append(f"  direct dispatch  refused: {direct.get('refused')}")
+        for t in direct.get("refused_targets", []):
+            lines.append(f"    not for {t['target']}: {t['why']}")
     for b in s.get("graph_breaks", []):
         where = f" at {b['where']}" if b.get("where") else ""
         lines.append(

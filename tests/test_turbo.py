@@ -1,0 +1,332 @@
+"""Preset ``turbo``: harvested entries run directly in the steady state (H30).
+
+Each per-call check is shown to catch its change: a call that fails one takes the
+normal path (counted: ``direct_calls`` does not move) and matches an eager run of
+the same weights. Refusals name their reason in the summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import (
+    Net,
+    NetModule,
+    assert_restored,
+    compare,
+    guard,
+    guard_tuner,
+    guard_without_lookup,
+    stance_on,
+)
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from guardtrain import GuardTuner
+from guardtrain.engine import GuardEngine
+from guardtrain.engine.config import make_config
+
+
+class Scaled(nn.Module):
+    """Linear -> ReLU -> Linear, times a float argument: no randomness, no buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * scale
+
+
+def _direct_calls(tuner: GuardTuner) -> int:
+    return sum(t.direct_calls for t in tuner.engine.run.targets)
+
+
+@contextlib.contextmanager
+def _steady(model: nn.Module, **kwargs: Any) -> Iterator[GuardTuner]:
+    """A turbo tuner warmed up on training steps until calls run directly."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    with guard_tuner(model, "turbo", warmup_steps=2, stable_steps=1, **kwargs) as tuner:
+        for _ in range(6):
+            with tuner.step((x,)):
+                model(x).sum().backward()
+        assert tuner.phase == "steady" and stance_on()
+        assert _direct_calls(tuner) > 0, "turbo never dispatched directly"
+        yield tuner
+
+
+def _counting_function_mode() -> tuple[Callable[[], Any], list[int]]:
+    seen = [0]
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            seen[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Count, seen
+
+
+def _hooks() -> tuple[Callable[[], Any], list[int]]:
+    packed = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed[0] += 1
+        return t
+
+    return (lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)), packed
+
+
+def _call(case: str, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """One training call of ``model`` changed as ``case`` says; returns the output and what
+    the change observes (gradient of the input, ops seen, flops, packed tensors)."""
+    if case == "input requires grad":
+        x = x.clone().requires_grad_()
+        out = model(x)
+        out.sum().backward()
+        return out, x.grad
+    if case == "strides":
+        x = x.t().contiguous().t()  # the same values, column-major
+        out = model(x)
+        return out, x.stride()
+    if case == "float argument":
+        return model(x, 2.5), None
+    if case == "torch-function mode":
+        mode, seen = _counting_function_mode()
+        with mode():
+            out = model(x)
+        return out, seen[0]
+    if case == "dispatch mode":
+        with FlopCounterMode(display=False) as flops:
+            out = model(x)
+        return out, flops.get_total_flops()
+    if case == "saved-tensor hooks":
+        hooks, packed = _hooks()
+        with hooks():
+            out = model(x)
+        out.sum().backward()
+        return out, packed[0]
+    if case == "deterministic algorithms":
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            return model(x), None
+        finally:
+            torch.use_deterministic_algorithms(before)
+    if case == "force_eager stance":
+        with torch.compiler.set_stance("force_eager"):
+            return model(x), None
+    if case == "dynamo reset":
+        torch._dynamo.reset()
+        return model(x), None
+    raise AssertionError(case)
+
+
+CASES = [
+    "input requires grad",
+    "strides",
+    "float argument",
+    "torch-function mode",
+    "dispatch mode",
+    "saved-tensor hooks",
+    "deterministic algorithms",
+    "force_eager stance",
+    "dynamo reset",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_per_call_check_sends_a_changed_call_the_normal_way(case: str) -> None:
+    model = Scaled()
+    eager = copy.deepcopy(model)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+    with _steady(model) as tuner:
+        before = _direct_calls(tuner)
+        with tuner.step((x,)):
+            got, seen = _call(case, model, x)
+        assert _direct_calls(tuner) == before, f"{case}: the changed call ran directly"
+        # An ordinary call afterwards runs directly again (or, after a re-arm, normally).
+        with tuner.step((x,)):
+            again = model(x)
+    want, expected = _call(case, eager, x)
+    assert torch.equal(got, want), f"{case}: differs from eager"
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(seen, expected)
+    else:
+        assert seen == expected
+    if case in ("torch-function mode", "dispatch mode", "saved-tensor hooks"):
+        assert seen, f"{case}: nothing observed, the test would not catch a skipped check"
+    assert torch.equal(again, eager(x))
+    assert_restored(model)
+
+
+def test_direct_calls_match_the_normal_path_bitwise() -> None:
+    """Train, no_grad and eval calls, directly and through Dynamo: the same numbers."""
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    xs = [torch.randn(16, 8) for _ in range(12)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, x: torch.Tensor, seed: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        loss = m(x).square().mean()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+
+    with guard_tuner(model, "turbo", warmup_steps=2, stable_steps=1) as tuner:
+        for epoch in range(3):
+            model.train()
+            eager.train()
+            for i, x in enumerate(xs):
+                with tuner.step((x,)):
+                    got = step(model, opt, x, 100 * epoch + i)
+                assert torch.equal(got, step(eager, opt_e, x, 100 * epoch + i))
+            model.eval()
+            eager.eval()
+            with torch.no_grad(), tuner.loop("validate"):
+                for x in xs[:4]:
+                    with tuner.step((x,)):
+                        assert torch.equal(model(x), eager(x))
+        s = tuner.summary()
+    assert s["direct_dispatch"]["on"] and s["direct_dispatch"]["calls"] >= 20
+    assert s["direct_dispatch"]["refused"] is None
+    for a, b in zip(model.state_dict().values(), eager.state_dict().values()):
+        assert torch.equal(a, b)
+    assert_restored(model)
+
+
+@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+def test_lightning_run_matches_eager(preset: str) -> None:
+    cb, _ = compare(NetModule, lambda: guard(preset), max_epochs=3)
+    s = cb.summary()
+    assert s["steady_steps"] > 0
+    direct = s["direct_dispatch"]
+    if preset == "turbo":
+        assert direct["on"] and direct["calls"] > 0
+        assert "direct dispatch  on:" in cb.format_summary()
+        assert s["lookup_us"] == {}  # not profiled: direct calls skip the entry path
+    else:
+        assert not direct["requested"] and direct["calls"] == 0
+        assert "direct dispatch" not in cb.format_summary()
+
+
+def test_verify_batches_take_the_normal_path() -> None:
+    """A verify batch compares the compiled call with eager: it must not run directly."""
+    model = Scaled()
+    x = torch.randn(16, 8)
+    with guard_tuner(model, "turbo", warmup_steps=2, stable_steps=1, verify_every=4) as tuner:
+        counts = []
+        for _ in range(12):
+            with tuner.step((x,)):
+                before = _direct_calls(tuner)
+                model(x).sum().backward()
+                counts.append((tuner.engine.run.verify_batch, _direct_calls(tuner) - before))
+    assert any(verify for verify, _ in counts)
+    assert all(n == 0 for verify, n in counts if verify)
+    assert any(n == 1 for verify, n in counts if not verify)
+
+
+def test_shared_code_members_run_their_own_harvested_entries() -> None:
+    """Blocks sharing code but differing in a kept scalar pick their own entries."""
+
+    class Block(nn.Module):
+        def __init__(self, temperature: float) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.temperature = temperature
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(x) / self.temperature)
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(t) for t in (1.0, 2.0, 1.0, 2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Stack()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    with guard_tuner(model, "turbo", targets=["blocks.*"], warmup_steps=2, stable_steps=1) as t:
+        for _ in range(8):
+            with t.step((x,)):
+                out = model(x)
+                out.sum().backward()
+        assert _direct_calls(t) > 0
+        s = t.summary()
+    assert torch.equal(out, eager(x))
+    assert s["shared_code"], "the blocks did not share code"
+
+
+def test_refused_with_guard_collectives_and_fsdp() -> None:
+    collectives = GuardEngine(make_config("turbo", guard_collectives=True))
+    with pytest.warns(UserWarning, match="direct dispatch \\(turbo\\) is refused"):
+        collectives.setup(world_size=2, rank=0)
+    s = collectives.summary()["direct_dispatch"]
+    assert s["requested"] and not s["on"] and "guard_collectives=True" in s["refused"]
+
+    fsdp = GuardEngine(make_config("turbo"))
+    with pytest.warns(UserWarning, match="refused: FSDPStrategy gathers"):
+        fsdp.setup(swaps_parameters="FSDPStrategy")
+    s = fsdp.summary()["direct_dispatch"]
+    assert not s["on"] and s["refused"].startswith("FSDPStrategy")
+    assert "direct dispatch  refused: FSDPStrategy" in fsdp.format_summary()
+
+    single = GuardEngine(make_config("turbo", guard_collectives=True))
+    single.setup(world_size=1, rank=0)  # one process: no collectives, nothing to refuse
+    assert single.summary()["direct_dispatch"]["on"]
+
+
+def test_a_target_with_graph_breaks_is_refused_and_named() -> None:
+    class Breaking(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            torch._dynamo.graph_break()
+            return y * 2
+
+    model = Breaking()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    with (
+        pytest.warns(UserWarning, match="graph breaks"),
+        guard_tuner(model, "turbo", targets=[""], warmup_steps=1, stable_steps=1) as tuner,
+    ):
+        for _ in range(4):
+            with tuner.step((x,)):
+                out = model(x)
+        s = tuner.summary()["direct_dispatch"]
+    assert torch.equal(out, eager(x))
+    assert s["calls"] == 0
+    assert [t["target"] for t in s["refused_targets"]] == ["<model>"]
+    assert "graph breaks" in s["refused_targets"][0]["why"]
+
+
+def test_turbo_after_a_second_fit_keeps_counting() -> None:
+    model = NetModule()
+    cb = guard_without_lookup("turbo")
+    from helpers import fit
+
+    fit(model, [cb], max_epochs=2)
+    first = cb.summary()["direct_dispatch"]["calls"]
+    fit(model, [cb], max_epochs=1)
+    assert first > 0 and cb.summary()["direct_dispatch"]["calls"] > first
