@@ -924,6 +924,8 @@ class CompiledTarget:
         c = self.c
         table = self.table.setdefault(mode, [])
         self.harvests += 1
+        if _cache_entry_list is None:  # turbo is refused on such a torch
+            return None
         if c.shared:
             scope = {_SHARED_NAME: self.module, "args": args, "kwargs": kwargs, "forward": c.func}
         else:
