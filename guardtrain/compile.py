@@ -1040,7 +1040,11 @@ class CompiledTarget:
                                 break
                         else:
                             direct = None
-                            if target.may_harvest(mode) and unsafe_stance_only():
+                            if (
+                                target.may_harvest(mode)
+                                and unsafe_stance_only()
+                                and not dispatch_mode_active()
+                            ):
                                 direct = target.harvest(mode, key, tensors, args, kwargs)
                                 if direct is None:
                                     # No entry's guards accept the call: the stance would

@@ -15,6 +15,27 @@ warnings.filterwarnings("ignore", ".*LeafSpec.*")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
 
 
+TURBO_EVERYWHERE_ENV = "GUARDTRAIN_TURBO_EVERYWHERE"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--turbo-everywhere",
+        action="store_true",
+        help="run every test that asks for `aggressive` with turbo's levers instead (the "
+        f"full turbo set; also {TURBO_EVERYWHERE_ENV}=1, which subprocess runs inherit)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--turbo-everywhere"):
+        os.environ[TURBO_EVERYWHERE_ENV] = "1"
+    if os.environ.get(TURBO_EVERYWHERE_ENV, "") not in ("", "0"):
+        from helpers import turbo_everywhere
+
+        turbo_everywhere()
+
+
 @pytest.fixture(autouse=True)
 def _clean_dynamo():
     """Every test starts and ends with fresh Dynamo caches and the default stance."""

@@ -51,7 +51,7 @@ warnings.filterwarnings("ignore", ".*guardtrain: .*")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
 logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
 
-PRESETS = ("off", "safe", "balanced", "aggressive")
+PRESETS = ("off", "safe", "balanced", "aggressive", "turbo")
 
 #: Events whose change the callback promises to see on every batch / in every call.
 ANYWHERE = ("train_eval", "inplace", "autocast", "no_grad", "reset")

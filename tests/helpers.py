@@ -31,6 +31,27 @@ if TYPE_CHECKING:
 EAGER = {"backend": "eager"}
 
 
+def turbo_everywhere() -> bool:
+    """With ``GUARDTRAIN_TURBO_EVERYWHERE=1`` (``pytest --turbo-everywhere``), make the preset
+    named ``aggressive`` carry turbo's levers, in this process: every test (and subprocess
+    script that calls this) that runs ``aggressive`` then runs turbo. Returns whether it did.
+
+    Tests that compare the ``aggressive`` preset with its own table or YAML option skip
+    themselves in that mode (:data:`AGGRESSIVE_IS_TURBO`).
+    """
+    import os
+    from types import MappingProxyType
+
+    if os.environ.get("GUARDTRAIN_TURBO_EVERYWHERE", "") in ("", "0"):
+        return False
+    from guardtrain import presets
+
+    table = dict(presets.PRESETS)
+    table["aggressive"] = presets.PRESETS["turbo"]
+    presets.PRESETS = MappingProxyType(table)
+    return True
+
+
 # -- the guard factories ---------------------------------------------------------------------
 
 

@@ -24,12 +24,12 @@ from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAver
 from torch import nn
 
 
-@pytest.mark.parametrize("preset", ["off", "safe", "balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["off", "safe", "balanced", "aggressive", "turbo"])
 def test_train_eval_switch_matches_eager(preset: str) -> None:
     cb, model = compare(TinyModule, lambda: guard(preset))
     s = cb.summary()
     assert s["compiles"] >= 2  # train and eval entries at least
-    if preset in ("balanced", "aggressive"):
+    if preset in ("balanced", "aggressive", "turbo"):
         assert s["phase"] == "steady"
         assert s["steady_steps"] > 0
         assert s["phases"]["validate"] == "steady"

@@ -61,6 +61,9 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "mp_eager": MODEL_PARALLEL,
     "mp_guarded_regional": (*MODEL_PARALLEL, *GUARD, "--targets", "backbone,head"),
     "mp_guarded_default": MODEL_PARALLEL + GUARD,
+    "ddp_turbo_perturbed": ("--guard", "turbo", *PERTURB),
+    "ddp_turbo_collectives": ("--guard", "turbo", "--guard-collectives"),
+    "mp_turbo_regional": (*MODEL_PARALLEL, "--guard", "turbo", "--targets", "backbone,head"),
 }
 
 FSDP_NEEDS_CUDA = (
@@ -308,6 +311,42 @@ def test_ddp_guard_collectives_with_rank_local_changes(runs: Runner) -> None:
     for r in (0, 1):
         assert not run.rank(r)["collectives_after_fit"]
         assert run.rank(r)["summary"]["steady_steps"] > 0
+
+
+# -- turbo (H30) ----------------------------------------------------------------------------------
+
+
+def test_ddp_turbo_runs_directly_and_equals_an_uncompiled_run(runs: Runner) -> None:
+    """Turbo under DDP with rank 1's perturbations: bitwise equal, direct calls on both ranks,
+    rank 1's changes caught as under `aggressive` (the cut batch, the eval step)."""
+    run = runs("ddp_turbo_perturbed").ok()
+    assert_same_run(runs("ddp_eager_perturbed").ok(), run)
+    for r in (0, 1):
+        s = run.rank(r)["summary"]
+        assert s["phase"] == "steady" and s["direct_dispatch"]["on"], s["direct_dispatch"]
+        assert s["direct_dispatch"]["calls"] > 0
+    steps = {r["step"]: r["reason"] for r in own_rearms(run.rank(1))}
+    assert 13 in steps and "training" in steps.get(33, ""), own_rearms(run.rank(1))
+    assert own_rearms(run.rank(0)) == []
+
+
+def test_ddp_turbo_refused_with_guard_collectives(runs: Runner) -> None:
+    run = runs("ddp_turbo_collectives").ok()
+    assert_same_run(runs("ddp_eager").ok(), run)
+    for r in (0, 1):
+        d = run.rank(r)["summary"]["direct_dispatch"]
+        assert d["requested"] and not d["on"] and d["calls"] == 0, d
+        assert "guard_collectives=True" in d["refused"]
+    warned = run.output.count("direct dispatch (turbo) is refused: guard_collectives=True")
+    assert warned == 1, "warned once, on rank zero"
+
+
+def test_model_parallel_turbo_refused(runs: Runner) -> None:
+    run = runs("mp_turbo_regional").ok()
+    assert_same_run(runs("mp_eager").ok(), run)
+    for r in (0, 1):
+        d = run.rank(r)["summary"]["direct_dispatch"]
+        assert not d["on"] and d["calls"] == 0 and "ModelParallelStrategy" in d["refused"], d
 
 
 # -- ModelParallelStrategy (fully_shard) on the CPU ----------------------------------------------

@@ -52,7 +52,7 @@ SOAK = _soak not in ("", "0")
 SOAK_EXAMPLES = int(_soak) if _soak.isdigit() and int(_soak) > 1 else 500
 
 #: Examples per preset in CI; the presets with unsafe levers get more.
-CI_EXAMPLES = {"off": 4, "safe": 4, "balanced": 10, "aggressive": 10}
+CI_EXAMPLES = {"off": 4, "safe": 4, "balanced": 10, "aggressive": 10, "turbo": 10}
 CI_EXAMPLES_MID_EPOCH = 4
 
 
@@ -154,7 +154,7 @@ def test_fuzz_matches_eager(preset: str) -> None:
     run()
 
 
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_fuzz_mid_epoch_boundary_events(preset: str) -> None:
     """Boundary-only events anywhere: a divergence is tolerated only until the next boundary."""
 
@@ -197,7 +197,7 @@ def steady_mid_epoch(preset: str, kind: str) -> Scenario:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_event_in_the_middle_of_a_steady_epoch(preset: str, kind: str) -> None:
     """Each event once, mid-epoch under the stance.
 
@@ -228,7 +228,7 @@ class PseudoLabels(TinyModule):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_bug_train_mode_call_under_no_grad_reuses_the_eval_entry(preset: str) -> None:
     """Under the stance a train-mode call under no_grad runs the *eval* graph.
 
@@ -276,7 +276,7 @@ class DropoutOff(L.Callback):
             pl_module.backbone[3].p = 0.0
 
 
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_bug_graph_break_hides_a_dropped_module_attribute_guard(preset: str) -> None:
     """``dropout.p`` changed at an epoch boundary is not seen when it is read after a break.
 
@@ -350,7 +350,7 @@ class RemoveHookAtEpoch2(L.Callback):
             pl_module.hook.remove()
 
 
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_bug_hook_removed_after_compile_keeps_running(preset: str) -> None:
     """A hook present at compile time and removed at an epoch boundary keeps running.
 
@@ -386,7 +386,7 @@ def test_bug_dynamo_reset_leaves_stale_modes() -> None:
     check(scenario)
 
 
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_bug_train_and_eval_entries_under_one_grad_mode(preset: str) -> None:
     """Found by a second soak run: the sanity check compiled (eval, no_grad); training
     under ``no_grad`` then compiled (train, no_grad) because of the batch size, so

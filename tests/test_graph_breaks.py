@@ -56,7 +56,7 @@ def eager_run() -> DemoLM:
     return run(None)
 
 
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_the_demo_transformer_reaches_the_stance(preset: str) -> None:
     """3 epochs of 16 batches: at least half of them under the stance, equal to eager.
 
@@ -208,7 +208,7 @@ class BreakingStack(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@pytest.mark.parametrize("preset", ["safe", "aggressive"])
+@pytest.mark.parametrize("preset", ["safe", "aggressive", "turbo"])
 def test_repeated_blocks_breaking_inside_their_forward_match_eager_from_the_first_batch(
     preset: str,
 ) -> None:

@@ -114,7 +114,7 @@ def assert_eager_equal(name: str, guarded: HFModule) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_gpt2_with_its_own_loss_reaches_the_stance(preset: str) -> None:
     """H20: 3 epochs of 16 batches; at least half under the stance, bitwise equal to eager."""
     cb = guard(preset, warmup_steps=5, stable_steps=2, compile_kwargs=AOT_EAGER)
@@ -142,7 +142,7 @@ def test_gpt2_with_its_own_loss_reaches_the_stance(preset: str) -> None:
     ], warned
 
 
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_a_classification_head_setting_problem_type_is_named_by_its_path(preset: str) -> None:
     """H25: BERT sets ``config.problem_type`` on its first call; every re-arm reason and
     compile event that mentions it names ``model.config.problem_type``; equal to eager."""

@@ -89,7 +89,7 @@ def same_blocks() -> list[Block]:
     return [Block() for _ in range(6)]
 
 
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_repeated_blocks_compile_once_per_mode(preset: str) -> None:
     """Six blocks, one class: Dynamo traces one graph per (training, grad) mode seen,
     every block runs its own weights, and the run equals eager."""
@@ -142,7 +142,7 @@ def test_a_function_attribute_is_part_of_the_structure() -> None:
     assert share_groups([a, b, Block(act=torch.relu)]) == [0, None, 0]
 
 
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_blocks_whose_scalars_differ_get_code_of_their_own(preset: str) -> None:
     """A float or a dropout `p` that differs per block is a kept guard (H19): on one
     shared code object each value would add an entry, up to the recompile limit.

@@ -76,7 +76,7 @@ def equal_runs(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         assert torch.equal(x, y), f"loss {i}: {x.item()} vs {y.item()}"
 
 
-@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
 def test_plain_loop_matches_eager_and_uses_the_stance(preset: str) -> None:
     torch.manual_seed(0)
     eager = Net()

@@ -18,6 +18,11 @@ from torch import nn
 
 from guardtrain import GuardTuner
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import turbo_everywhere
+
+turbo_everywhere()  # `pytest --turbo-everywhere`: `aggressive` runs with turbo's levers
+
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 

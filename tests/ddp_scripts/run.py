@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import lightning as L
 from _common import (
     EvalForOneStep,
@@ -39,7 +39,9 @@ from _common import (
     stance_on,
     write_json,
 )
+from helpers import turbo_everywhere
 
+turbo_everywhere()  # `pytest --turbo-everywhere`: `aggressive` runs with turbo's levers
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LeafSpec.*")
 
