@@ -104,10 +104,10 @@ def assert_eager_equal(eager: MaskedLM, guarded: MaskedLM) -> None:
         assert torch.equal(a, b), key
 
 
-def issue_setting(dynamic: bool | None) -> GuardTuneCallback:
-    """The issue's setting: `aggressive`, `warmup_steps=5`, `stable_steps=2`."""
+def issue_setting(dynamic: bool | None, preset: str = "aggressive") -> GuardTuneCallback:
+    """The issue's setting: `aggressive` (or `turbo`), `warmup_steps=5`, `stable_steps=2`."""
     return guard(
-        "aggressive",
+        preset,
         warmup_steps=5,
         stable_steps=2,
         compile_kwargs={"backend": "eager", "dynamic": dynamic},
@@ -124,9 +124,10 @@ def _batch_types() -> list[Any]:
     return kinds
 
 
+@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
 @pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic_unset", "dynamic_true"])
 @pytest.mark.parametrize("make", _batch_types())
-def test_dynamic_padding(make: type, dynamic: bool | None) -> None:
+def test_dynamic_padding(make: type, dynamic: bool | None, preset: str) -> None:
     """8 padded lengths in shuffled order, 16 batches per epoch (the last one short),
     4 epochs: at least 60% of the training batches under the stance, eager-equal."""
     g = torch.Generator().manual_seed(0)
@@ -138,7 +139,7 @@ def test_dynamic_padding(make: type, dynamic: bool | None) -> None:
         lengths = [rng.randint(4, target) for _ in range(rows - 1)] + [target]
         batches.append(padded(lengths, rows, make, g))
     eager, _ = fit(batches, 4, None)
-    cb = issue_setting(dynamic)
+    cb = issue_setting(dynamic, preset)
     guarded, spy = fit(batches, 4, cb)
     assert_eager_equal(eager, guarded)
     s = cb.summary()
@@ -148,9 +149,11 @@ def test_dynamic_padding(make: type, dynamic: bool | None) -> None:
     # accepted by an entry; no call reached Dynamo's own miss under the stance.
     assert s["checked_calls"] >= s["checked_batches"]
     assert not any("stance miss" in r["reason"] for r in s["rearms"]), s["rearms"]
+    assert (s["direct_dispatch"]["calls"] > 0) == (preset == "turbo")
 
 
-def test_random_lengths_with_dynamic_true() -> None:
+@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+def test_random_lengths_with_dynamic_true(preset: str) -> None:
     """Lengths drawn from [8, 64] for every batch (seed 0), 3 epochs of 17 batches:
     at least 80% of the batches of epochs 2 and 3 under the stance, eager-equal."""
     g = torch.Generator().manual_seed(0)
@@ -161,7 +164,7 @@ def test_random_lengths_with_dynamic_true() -> None:
         lengths = [rng.randint(1, n) for _ in range(7)] + [n]
         batches.append(padded(lengths, 8, dict, g))
     eager, _ = fit(batches, 3, None)
-    cb = issue_setting(True)
+    cb = issue_setting(True, preset)
     guarded, spy = fit(batches, 3, cb)
     assert_eager_equal(eager, guarded)
     later = spy.under[17:]
