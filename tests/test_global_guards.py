@@ -354,3 +354,60 @@ def test_hooks_check_per_call_on_a_target() -> None:
         assert all(torch.equal(a, b) for a, b in zip(grads(net, ctx), grads(ref, ctx)))
     assert target.c.keep_hooks_guard
     assert target.compiles == 3  # without hooks, rebuilt under hooks, without hooks again
+
+
+def _replace(name: str, scope: dict[str, Any]) -> Any:
+    """Replace what the global guard source ``name`` reads with another object; return
+    an undo function. A function's ``__code__`` is changed by replacing the function."""
+    if name.endswith(".__code__"):
+        name = name[: -len(".__code__")]
+    current = eval(name, {}, scope)
+    if isinstance(current, dict):
+        other: Any = dict(current)  # another type for a TYPE_MATCH on an OrderedDict
+    else:
+        other = types.ModuleType("other") if isinstance(current, types.ModuleType) else object()
+    if name.endswith("']"):
+        parent_expr, key = name[: name.rindex("['")], name[name.rindex("['") + 2 : -2]
+        parent = eval(parent_expr, {}, scope)
+        parent[key] = other
+        return lambda: parent.__setitem__(key, current)
+    parent_expr, attr = name.rsplit(".", 1)
+    parent = eval(parent_expr, {}, scope)
+    setattr(parent, attr, other)
+    return lambda: setattr(parent, attr, current)
+
+
+def test_every_moved_global_guard_catches_its_change() -> None:
+    """Each recorded global assertion, of every moved guard type, fails when what its
+    source reads is replaced, and then the target is stale (rebuilt at the boundary)."""
+    flt = filters.with_floor(filters.resolve(PRESETS["aggressive"].guard_filter))
+    types_of: dict[str, set[str]] = {}
+
+    def spy(entries: Any) -> list[bool]:
+        keep = flt(entries)
+        for e, k in zip(entries, keep):
+            if not k and e.name.startswith("G["):
+                types_of.setdefault(e.name, set()).add(e.guard_type)
+        return keep
+
+    model = Swapping()
+    target = CompiledTarget(
+        "", model, EAGER, spy, True, on_compile=lambda *a: None, on_miss=lambda *a: True
+    )
+    with torch.no_grad():
+        model(torch.randn(4, 8))
+    recorded = [a for entry in target.assertions for a in entry if a.glob]
+    assert len(recorded) >= 10, recorded
+    covered: set[str] = set()
+    scope = target.scope()
+    for a in recorded:
+        undo = _replace(a.name, scope)
+        try:
+            stale, _ = target.check_assertions()
+        finally:
+            undo()
+        assert stale is not None and a.label in stale, (a.name, stale)
+        covered |= types_of.get(a.name.removesuffix(".__code__"), set())
+    assert target.check_assertions() == (None, None)
+    assert {"MODULE_MATCH", "CLOSURE_MATCH", "TYPE_MATCH", "DUPLICATE_INPUT"} <= covered, covered
+    assert covered & {"BUILTIN_MATCH", "FUNCTION_MATCH", "ID_MATCH"}, covered
