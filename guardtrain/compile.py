@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils import _python_dispatch
 
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError, GuardTrainValueError
-from guardtrain.filters import GuardFilter, keep_all
+from guardtrain.filters import SAVED_TENSORS_HOOKS, GuardFilter, is_rechecked, keep_all
 
 __all__ = [
     "COMPILE_KWARGS",
@@ -154,6 +154,10 @@ class Assertion:
     expr: types.CodeType = field(compare=False)
     label: str = field(default="", compare=False)
     """The same path as the user knows it (``net.drop.p``); see :func:`user_path`."""
+    glob: bool = field(default=False, compare=False)
+    """An identity guard on a global (``G[...]``) that the filter dropped (H31): it
+    holds for every instance alike, so a change rebuilds the code, never moves one
+    member of shared code to code of its own."""
 
     def holds(self, scope: dict[str, Any]) -> bool:
         """Evaluate the expression now and compare with what was asserted."""
@@ -175,7 +179,7 @@ class Assertion:
             current = eval(self.expr, {}, scope)
         except Exception as err:
             current = f"<{type(err).__name__}>"
-        if target is not None:
+        if target is not None and not self.glob:
             name = user_path(self.name, target, self.name.startswith(_SHARED_NAME))
         else:
             name = self.label or self.name
@@ -198,6 +202,87 @@ def user_path(text: str, target: str, shared: bool = False) -> str:
     if shared:
         text = _SHARED_PREFIX.sub(target or "self", text)
     return _SUBSCRIPT.sub(lambda m: "." + m.group(2), text)
+
+
+_IMPORTED = re.compile(r"G\['__import_(\w+)'\]")
+_BUILTIN = re.compile(r"G\['__builtins_dict___\d+'\]\['(\w+)'\]")
+_GLOBAL = re.compile(r"G\['([\w.]+)'\]")
+
+
+def global_path(name: str) -> str:
+    """Name a global guard source as the user knows it: ``G['__import_torch_dot_nn_dot_
+    functional'].relu`` becomes ``torch.nn.functional.relu``, a builtin ``builtins.iter``."""
+    text = _IMPORTED.sub(lambda m: m.group(1).replace("_dot_", "."), name)
+    text = _BUILTIN.sub(r"builtins.\1", text)
+    return _GLOBAL.sub(r"\1", text)
+
+
+_GLOBALS: dict[str, Any] = globals()
+"""The trampolines' globals: where Dynamo installs the ``__import_*`` names its global
+guards read (``G`` in a guard's source)."""
+
+
+def _global_assertions(entry: Any) -> list[Assertion] | None:
+    """What a dropped identity guard on a global asserted, to re-check at boundaries
+    (H31); None when it cannot be re-checked (the guard must then stay).
+
+    ``CLOSURE_MATCH`` on a Python function asserts its ``__code__``, as Dynamo does;
+    ``DUPLICATE_INPUT`` (two globals are one object) asserts the identity of both.
+    """
+    if not entry.has_value:
+        return None
+    value = entry.value
+    names = [entry.name]
+    kind = "identity"
+    if entry.guard_type == "TYPE_MATCH":
+        kind, value = "type", type(value)
+    elif entry.guard_type == "CLOSURE_MATCH" and type(value) is types.FunctionType:
+        names, value = [entry.name + ".__code__"], value.__code__
+    elif entry.guard_type == "DUPLICATE_INPUT":
+        keywords = getattr(getattr(entry.orig_guard, "create_fn", None), "keywords", None) or {}
+        other = getattr(keywords.get("source_b"), "name", None)
+        other = other() if callable(other) else other
+        if not isinstance(other, str) or not other.startswith("G["):
+            return None  # aliasing with an input or a local: checked per frame
+        names.append(other)
+    scope = {"G": _GLOBALS}
+    found = []
+    for name in names:
+        try:
+            expr = compile(name, "<guard>", "eval")
+        except SyntaxError:
+            return None
+        a = Assertion(name, kind, value, False, expr, global_path(name), glob=True)
+        if not a.holds(scope):  # not what Dynamo guarded (another frame's globals)
+            return None
+        found.append(a)
+    return found
+
+
+_top_saved_hooks: Callable[[bool], Any] = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None
+)
+"""The innermost active saved-tensor hooks, ``(pack, unpack)``, or None (0.04-0.09 µs a call)."""
+
+
+def _inlined_hooks_active() -> bool:
+    """Whether active saved-tensor hooks are ones Dynamo traces into the graph (H31).
+
+    Dynamo's guard compares the ids of such hooks (``fx.GraphModule`` pack and
+    unpack) and reads any other hooks, or none, as ``None``: those run at run time
+    (AOTAutograd's saved tensors go through them), so every entry serves them.
+    True on a torch without the functions (the guard is then always kept).
+    """
+    if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
+        return True
+    hooks = _top_saved_hooks(True)
+    if hooks is None:
+        return False
+    try:
+        from torch._functorch._aot_autograd.utils import saved_tensors_hooks_are_inlineable
+    except ImportError:  # pragma: no cover - another torch layout
+        return True
+    return bool(saved_tensors_hooks_are_inlineable(hooks))
 
 
 _RECORDED = {
@@ -459,6 +544,11 @@ class TargetCode:
         the training graph)."""
         self.graph_breaks = False
         self.closure: tuple[types.CellType, ...] = ()
+        self.keep_hooks_guard = False
+        """Keep the saved-tensor-hooks guard in every compile: hooks that Dynamo
+        inlines were active at a call or a compile (H31). Survives rebuilds."""
+        self.dropped_hooks_guard = False
+        """A compile of the current code dropped the saved-tensor-hooks guard."""
 
     def rebuild(self) -> None:
         """Compile a fresh code object: every entry of the old one is forgotten.
@@ -480,6 +570,7 @@ class TargetCode:
         self._training_failed = False
         self._root_entries = 0
         self.graph_breaks = False
+        self.dropped_hooks_guard = False
         self.generation += 1
         for member in self.members:
             member.forget_dispatch()
@@ -538,12 +629,42 @@ class TargetCode:
                 continue
             label = user_path(name, member.name, self.shared)
             recorded.append(Assertion(name, kind, value, kept, expr, label))
+        recorded.extend(self._moved(entries, keep, code is not None and code is self.code))
         self.assertions.append(tuple(recorded))
         member.fits = self.generation
         member._on_compile(
             member, None if reason is None else user_path(reason, member.name, self.shared)
         )
         return keep
+
+    def _moved(self, entries: Sequence[Any], keep: list[bool], own_frame: bool) -> list[Assertion]:
+        """The guards that guardtrain checks itself and the filter dropped (H31).
+
+        Identity guards on globals are recorded for the boundary re-check; one that
+        cannot be recorded (a frame other than the trampoline, whose globals are
+        another module's, or an expression that does not evaluate to the guarded
+        object) is kept. The saved-tensor-hooks guard is kept once hooks that
+        Dynamo inlines were seen; otherwise the wrapper checks for hooks per call.
+        """
+        moved: dict[str, Assertion] = {}
+        for i, (entry, kept) in enumerate(zip(entries, keep)):
+            if kept or not is_rechecked(entry):
+                continue
+            if entry.guard_type == SAVED_TENSORS_HOOKS:
+                if not self.keep_hooks_guard and _inlined_hooks_active():
+                    self.keep_hooks_guard = True
+                if self.keep_hooks_guard:
+                    keep[i] = True
+                else:
+                    self.dropped_hooks_guard = True
+                continue
+            found = _global_assertions(entry) if own_frame else None
+            if found is None:
+                keep[i] = True  # never drop what cannot be re-checked
+                continue
+            for a in found:
+                moved.setdefault(a.name, a)
+        return list(moved.values())
 
     def cache_entries(self) -> int:
         """Cache entries Dynamo holds for the trampoline (-1 when this torch cannot tell)."""
@@ -880,7 +1001,7 @@ class CompiledTarget:
         self.fits = c.generation
         if len(c.members) < 2:
             return
-        stale, unmatched = self.check_assertions()
+        stale, unmatched = self.check_assertions(globals_too=False)
         why = None
         if self.drifted():
             why = "its structure changed (parameters, submodules or attributes)"
@@ -968,17 +1089,18 @@ class CompiledTarget:
 
     def scope(self) -> dict[str, Any]:
         if self.c.shared:
-            return {_SHARED_NAME: self.module}
-        return {_CLOSURE_NAME: self._bound}
+            return {_SHARED_NAME: self.module, "G": _GLOBALS}
+        return {_CLOSURE_NAME: self._bound, "G": _GLOBALS}
 
-    def check_assertions(self) -> tuple[str | None, str | None]:
+    def check_assertions(self, globals_too: bool = True) -> tuple[str | None, str | None]:
         """Re-check what this target's guards asserted.
 
         Returns ``(stale, unmatched)``: ``stale`` names a *dropped* (or stance-
         skipped) assertion that changed under an entry whose kept guards still
         pass, so Dynamo would silently reuse it: the target must be rebuilt.
         ``unmatched`` is set when no entry's kept guards pass: Dynamo will
-        recompile by itself, with full guards.
+        recompile by itself, with full guards. ``globals_too=False`` leaves out the
+        dropped identity guards on globals (H31), which hold for every member alike.
         """
         if not self.assertions:
             return None, None
@@ -989,7 +1111,7 @@ class CompiledTarget:
                 continue
             any_kept = True
             for a in entry:
-                if not a.kept and not a.holds(scope):
+                if not a.kept and (globals_too or not a.glob) and not a.holds(scope):
                     return a.describe(scope, self.name), None
         if any_kept:
             return None, None
@@ -1003,6 +1125,34 @@ class CompiledTarget:
         if best:
             return None, best[0].describe(scope, self.name)
         return None, "no compiled entry matches the module's state"
+
+    def _saved_hooks_seen(self) -> None:
+        """Saved-tensor hooks are active at this call (H31).
+
+        The filter may drop Dynamo's saved-tensor-hooks guard; this per-call check
+        replaces it (a once-per-batch check would miss ``save_on_cpu()`` entered
+        inside the step). Hooks that Dynamo does not inline (``save_on_cpu``, any
+        Python pair) are read by that guard as no hooks, so every entry serves
+        them and they run at run time: nothing to do. Hooks that Dynamo inlines
+        (``fx.GraphModule`` pack and unpack) need the guard: the code keeps it
+        from now on and, when an entry was compiled without it, is rebuilt, so
+        this call compiles with the guard (after leaving the stance).
+        """
+        c = self.c
+        if c.keep_hooks_guard and not c.dropped_hooks_guard:
+            return  # every entry has the guard: Dynamo tells them apart
+        if not _inlined_hooks_active():
+            return
+        c.keep_hooks_guard = True
+        if not c.dropped_hooks_guard:
+            return
+        # An entry without the guard would accept a call under these hooks.
+        self.rebuild()
+        if self.fast:
+            self._on_miss(
+                self,
+                "saved-tensor hooks that Dynamo inlines are active; compiling with their guard",
+            )
 
     # -- installing --------------------------------------------------------------------------
 
@@ -1023,6 +1173,9 @@ class CompiledTarget:
             c = target.c
             if target.fits != c.generation:
                 target._fit()  # the code compiled since: does it still fit this instance?
+                c = target.c
+            if _top_saved_hooks(True) is not None:
+                target._saved_hooks_seen()  # saved-tensor hooks at this call (H31)
                 c = target.c
             if target.fast:
                 mode = (module.training, is_grad_enabled(), is_inference(), any_autocast())

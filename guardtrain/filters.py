@@ -10,7 +10,7 @@ combined with :func:`soundness_floor` (:func:`with_floor`), which keeps the
 guards whose loss cannot be repaired by a re-check between batches:
 
 * global state: grad mode, autocast and other global flags, torch-function
-  state, default device, deterministic algorithms, saved-tensor hooks;
+  state, default device, deterministic algorithms;
 * the shape environment (symbolic shapes);
 * every guard on the inputs of the compiled frame (tensor metadata of the
   arguments, the structure of containers passed in);
@@ -19,6 +19,13 @@ guards whose loss cannot be repaired by a re-check between batches:
   reads (H19), so a changed scalar recompiles instead of running a stale
   constant. Under the stance these are skipped like every other guard; the
   boundary re-check and audits catch a change made there.
+
+The saved-tensor-hooks guard is not in the floor: every compiled call checks
+for active saved-tensor hooks in guardtrain's wrapper instead (H31).
+guardtrain's ``skip_all_nn_modules`` (the ``aggressive`` filter) also drops the
+guards that guardtrain re-checks itself (:func:`skip_rechecked`): identity
+guards on global modules, functions and builtins, re-checked at loop
+boundaries and audits, and the saved-tensor-hooks guard.
 
 Example:
     >>> from guardtrain import filters
@@ -46,6 +53,10 @@ __all__ = [
     "GuardFilter",
     "NAMED_FILTERS",
     "FLOOR_GUARD_TYPES",
+    "GLOBAL_IDENTITY_GUARD_TYPES",
+    "SAVED_TENSORS_HOOKS",
+    "is_rechecked",
+    "skip_rechecked",
     "keep_all",
     "soundness_floor",
     "all_of",
@@ -65,11 +76,32 @@ FLOOR_GUARD_TYPES = frozenset(
         "DEFAULT_DEVICE",
         "SHAPE_ENV",
         "DETERMINISTIC_ALGORITHMS",
-        "AUTOGRAD_SAVED_TENSORS_HOOKS",
     }
 )
 
+#: Identity guards that guardtrain re-checks at loop boundaries and audits when
+#: they are on globals (``G[...]``: imported modules, functions, builtins, classes,
+#: and the aliasing between two such globals), so a filter may drop them (H31).
+#: Value guards on globals (a global ``bool`` or ``float``) are not among them:
+#: a changed value must recompile at once, also in warm-up (as H19).
+GLOBAL_IDENTITY_GUARD_TYPES = frozenset(
+    {
+        "ID_MATCH",
+        "MODULE_MATCH",
+        "FUNCTION_MATCH",
+        "CLASS_MATCH",
+        "BUILTIN_MATCH",
+        "CLOSURE_MATCH",
+        "TYPE_MATCH",
+        "DUPLICATE_INPUT",
+    }
+)
+
+SAVED_TENSORS_HOOKS = "AUTOGRAD_SAVED_TENSORS_HOOKS"
+"""The saved-tensor-hooks guard type: guardtrain's wrapper checks it per call (H31)."""
+
 #: name -> (attribute of ``torch.compiler``, torch version that added it).
+#: ``skip_all_nn_modules`` is PyTorch's filter combined with :func:`skip_rechecked`.
 NAMED_FILTERS: dict[str, tuple[str | None, str]] = {
     "keep_all": (None, "2.8"),
     "skip_inbuilt_nn_modules": ("skip_guard_on_inbuilt_nn_modules_unsafe", "2.8"),
@@ -84,6 +116,33 @@ NAMED_FILTERS: dict[str, tuple[str | None, str]] = {
 def keep_all(entries: Sequence[GuardFilterEntry]) -> list[bool]:
     """Keep every guard (Dynamo's default)."""
     return [True] * len(entries)
+
+
+def is_rechecked(entry: GuardFilterEntry) -> bool:
+    """Whether guardtrain checks this guard itself: an identity guard on a global
+    (at boundaries and audits) or the saved-tensor-hooks guard (per call), H31."""
+    if entry.guard_type == SAVED_TENSORS_HOOKS:
+        return True
+    return (
+        entry.is_global
+        and entry.guard_type in GLOBAL_IDENTITY_GUARD_TYPES
+        and entry.name.startswith("G[")
+    )
+
+
+def skip_rechecked(entries: Sequence[GuardFilterEntry]) -> list[bool]:
+    """Drop the guards guardtrain checks itself (:func:`is_rechecked`, H31).
+
+    Only sound inside guardtrain: :class:`~guardtrain.compile.CompiledTarget`
+    records each dropped global identity guard and re-checks it at loop
+    boundaries and audits (a change rebuilds the target), keeps any it cannot
+    record, and checks for saved-tensor hooks on every call.
+    """
+    return [not is_rechecked(e) for e in entries]
+
+
+#: Named filters that also drop the guards guardtrain re-checks itself (H31).
+_PLUS_RECHECKED = frozenset({"skip_all_nn_modules"})
 
 
 def _is_nn_module_source(entry: GuardFilterEntry) -> bool:
@@ -187,6 +246,10 @@ def _by_name(name: str) -> GuardFilter | None:
             stacklevel=3,
         )
         return None
+    if name in _PLUS_RECHECKED:
+        combined = all_of(fn, skip_rechecked)
+        combined.__name__ = name
+        return combined
     return fn  # type: ignore[no-any-return]
 
 

@@ -659,7 +659,10 @@ class GuardEngine:
     def _on_miss(self, target: CompiledTarget, reason: str) -> bool:
         if reason is UNACCEPTED and self.run.checking is None:
             # Turbo checks every call it would run directly (H30), not only unseen batches.
-            reason = f"no compiled entry of {self._label(target)!r} accepts a call's inputs"
+            reason = (
+                f"direct dispatch: no compiled entry of {self._label(target)!r} accepts a "
+                "call with full guards"
+            )
         elif reason is UNACCEPTED:
             reason = (
                 f"unseen batch signature {self.run.checking}: no compiled entry of "
