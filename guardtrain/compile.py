@@ -463,6 +463,8 @@ class Direct:
     the same, Dynamo's global-state guard holds, its arguments have the same
     structure and plain values, and its tensors pass ``TensorGuards`` built from the
     harvested call (dtype, device, ``requires_grad``, dispatch keys, sizes, strides).
+    ``TensorGuards`` also refuses one tensor passed twice (Dynamo guards aliasing
+    between inputs), so such a call never runs directly.
     """
 
     __slots__ = ("code", "fn", "global_state", "key", "stance", "tensors")

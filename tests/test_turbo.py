@@ -167,6 +167,43 @@ def test_each_per_call_check_sends_a_changed_call_the_normal_way(case: str) -> N
     assert_restored(model)
 
 
+class Doubling(nn.Module):
+    """Doubles its second input in place: the result depends on whether both are one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y.mul_(2)
+        return self.a(x) + y
+
+
+def test_one_tensor_passed_twice_is_not_run_by_an_entry_for_two() -> None:
+    """Dynamo guards aliasing between inputs; so does ``TensorGuards`` (it refuses a tensor
+    passed twice), and the harvest's guard evaluation rejects the entry: the call leaves
+    the stance."""
+    model = Doubling()
+    eager = copy.deepcopy(model)
+    with torch.no_grad(), guard_tuner(model, "turbo", warmup_steps=2, stable_steps=1) as t:
+        model.eval()
+        eager.eval()
+        for _ in range(5):
+            x, y = torch.randn(4, 8), torch.randn(4, 8)
+            with t.step((x, y)):
+                got = model(x, y.clone())
+            assert torch.equal(got, eager(x, y.clone()))
+        assert _direct_calls(t) > 0
+        before = _direct_calls(t)
+        x = torch.randn(4, 8)
+        x_eager = x.clone()
+        with t.step((x, x)):
+            got = model(x, x)
+        assert _direct_calls(t) == before, "an entry for two tensors ran one tensor twice"
+    want = eager(x_eager, x_eager)
+    assert torch.equal(got, want) and torch.equal(x, x_eager)
+
+
 def test_direct_calls_match_the_normal_path_bitwise() -> None:
     """Train, no_grad and eval calls, directly and through Dynamo: the same numbers."""
     torch.manual_seed(0)
