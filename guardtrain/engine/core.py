@@ -723,15 +723,18 @@ class GuardEngine:
         if run.window is not None and loop == TRAIN:
             self._end_measure_batch()
         state = m.loops[loop]
-        if not compiled and loop == TRAIN and state.phase == STEADY and state.warmed_once:
+        if (
+            not compiled
+            and loop == TRAIN
+            and state.phase == STEADY
+            and state.warmed_once
+            and m.use_stance
+        ):
             # PhaseMachine.batch_done for a steady training batch that compiled nothing,
             # without the call (the per-step path).
             state.batches += 1
             state.since_compile += 1
-            if m.use_stance:
-                m.steady_steps += 1
-            else:
-                m.warmup_steps_taken += 1
+            m.steady_steps += 1
         else:
             m.batch_done(loop, compiled)
         if compiled:
