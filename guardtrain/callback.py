@@ -317,12 +317,19 @@ class GuardTuneCallback(Callback):
 
     @override
     def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, *args: Any
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int = 0
     ) -> None:
         self._engine.batch_start(_TRAIN, batch, pl_module.training)
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any = None,
+        batch: Any = None,
+        batch_idx: int = 0,
+    ) -> None:
         self._engine.batch_end(_TRAIN)
 
     @override

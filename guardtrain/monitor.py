@@ -20,6 +20,7 @@ from torch import nn
 
 __all__ = [
     "CompileMonitor",
+    "SameSignature",
     "batch_signature",
     "module_fingerprint",
     "fingerprint_change",
@@ -80,6 +81,105 @@ def batch_signature(batch: Any) -> Any:
     if isinstance(batch, dict):
         return (cls, tuple([(k, batch_signature(v)) for k, v in batch.items()]))
     return _container_signature(batch)
+
+
+_TensorGuards: Any = None
+"""Dynamo's C++ tensor check; absent (or another constructor) in another torch: no fast path."""
+try:
+    from torch._C._dynamo import guards as _dynamo_guards
+
+    _TensorGuards = getattr(_dynamo_guards, "TensorGuards", None)
+except ImportError:  # pragma: no cover - torch without Dynamo's C++ guards
+    pass
+
+
+class SameSignature:
+    """Recognises, in one C++ call, a batch whose signature equals a known batch's.
+
+    Made from a batch that is a tensor, or a tuple, list or dict (exact types)
+    of plain strided tensors, and that batch's :func:`batch_signature`
+    (:attr:`signature`). :meth:`matches` is True only for a batch of the same
+    container type, length (dict: the same keys in the same order) and tensors
+    that Dynamo's ``TensorGuards`` accept: the same dtype, device, sizes,
+    strides, ``requires_grad`` and dispatch keys. That is stricter than the
+    signature (strides, ``requires_grad``), so a match always has an equal
+    signature; a batch that does not match may still have one, and is then
+    compared by its full signature. Cost for two tensors: about 0.4 µs,
+    against about 1 µs for :func:`batch_signature`; making one costs about 5 µs.
+    """
+
+    __slots__ = ("_check", "_keys", "_n", "_type", "misses", "signature")
+
+    MAX_MISSES = 8
+    """Batches with an equal signature that did not match (other strides, say) in a row,
+    before the matcher is kept as it is instead of being made again for each."""
+
+    def __init__(
+        self, kind: type, n: int, keys: tuple[Any, ...] | None, check: Any, signature: Any
+    ) -> None:
+        self._type = kind
+        self._n = n
+        self._keys = keys
+        self._check = check
+        self.signature = signature
+        self.misses = 0
+
+    @classmethod
+    def of(
+        cls, batch: Any, signature: Any, previous: SameSignature | None = None
+    ) -> SameSignature | None:
+        """The matcher for batches like ``batch`` (whose signature is ``signature``), or None
+        for a batch of another shape (nested, non-tensor members, a tensor subclass).
+
+        ``previous``: the matcher that did not match ``batch``. When it was made
+        for this very ``signature`` object, the batch differs only in what the
+        signature does not hold; after :attr:`MAX_MISSES` such batches in a row
+        ``previous`` is returned as it is.
+        """
+        misses = 0
+        if previous is not None and previous.signature is signature:
+            if previous.misses >= cls.MAX_MISSES:
+                return previous
+            misses = previous.misses + 1
+        if _TensorGuards is None:
+            return None
+        kind = type(batch)
+        keys = None
+        if kind is torch.Tensor:
+            tensors: Any = (batch,)
+        elif kind is tuple or kind is list:
+            tensors = tuple(batch)
+        elif kind is dict:
+            keys = tuple(batch)
+            tensors = tuple(batch.values())
+        else:
+            return None
+        if not tensors or not all(
+            type(t) is torch.Tensor and t.layout is torch.strided for t in tensors
+        ):
+            return None
+        try:
+            check = _TensorGuards(
+                *tensors,
+                dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                dynamic_dims_strides=[list(t.stride()) for t in tensors],
+            ).check
+        except Exception:  # another torch's constructor: no fast path
+            return None
+        made = cls(kind, len(tensors), keys, check, signature)
+        made.misses = misses
+        return made
+
+    def matches(self, batch: Any) -> bool:
+        """Whether ``batch`` certainly has :attr:`signature` (False: compare it in full)."""
+        kind = type(batch)
+        if kind is not self._type:
+            return False
+        if self._keys is not None:
+            return tuple(batch) == self._keys and self._check(*batch.values())  # type: ignore[no-any-return]
+        if kind is torch.Tensor:
+            return self._check(batch)  # type: ignore[no-any-return]
+        return len(batch) == self._n and self._check(*batch)  # type: ignore[no-any-return]
 
 
 class _Tensors(tuple):
@@ -262,17 +362,36 @@ def module_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
     filters drop ``requires_grad`` and hook guards (H2), and Dynamo does not
     enforce hook guards by default (``skip_nnmodule_hook_guards``).
     """
-    rows: list[tuple[Any, ...]] = []
-    for kind, items in (
-        ("parameter", module.named_parameters()),
-        ("buffer", module.named_buffers()),
-    ):
-        for name, t in items:
-            rows.append((kind, name, id(t), t.requires_grad, t.dtype, t.device, tuple(t.shape)))
-    for name, sub in module.named_modules():
-        hooks = tuple(tuple(id(h) for h in getattr(sub, attr, {}).values()) for attr in _HOOK_DICTS)
-        if any(hooks):
-            rows.append(("hooks", name or "<root>", hooks))
+    # One walk over the submodules, in the order and with the de-duplication of
+    # ``named_parameters``, ``named_buffers`` and ``named_modules`` (three walks before).
+    params: list[tuple[Any, ...]] = []
+    buffers: list[tuple[Any, ...]] = []
+    hooks: list[tuple[Any, ...]] = []
+    seen_params: set[int] = set()
+    seen_buffers: set[int] = set()
+    for prefix, sub in module.named_modules():
+        dot = prefix + "." if prefix else ""
+        for into, seen, kind, members in (
+            (params, seen_params, "parameter", sub._parameters),
+            (buffers, seen_buffers, "buffer", sub._buffers),
+        ):
+            for key, t in members.items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                into.append(
+                    (kind, dot + key, id(t), t.requires_grad, t.dtype, t.device, tuple(t.shape))
+                )
+        dicts = [getattr(sub, attr, None) for attr in _HOOK_DICTS]
+        if any(dicts):
+            hooks.append(
+                (
+                    "hooks",
+                    prefix or "<root>",
+                    tuple(tuple(id(h) for h in d.values()) if d else () for d in dicts),
+                )
+            )
+    rows = params + buffers + hooks
     from torch.nn.modules import module as module_module
 
     global_hooks = tuple(

@@ -55,25 +55,30 @@ class _Step:
 
     def __enter__(self) -> None:
         tuner = self._tuner
-        if tuner._in_step:
-            raise GuardTrainRuntimeError("`tuner.step()` is already open: steps do not nest.")
-        if not tuner._entered:
-            raise GuardTrainRuntimeError(
-                "`tuner.step()` is used outside `with GuardTuner(...) as tuner:`."
-            )
+        if tuner._in_step or not tuner._entered:
+            self._refuse(tuner)
         tuner._in_step = True
         loop = tuner._loop
         training = tuner._root.training
         engine = tuner._engine
+        warmed = tuner._warmed
         if engine.machine.loops[loop].phase != "steady":
-            tuner._warmed[loop] = training
-        engine.batch_start(loop, self._batch, training, tuner._warmed.get(loop))
+            warmed[loop] = training
+        engine.batch_start(loop, self._batch, training, warmed.get(loop))
 
-    def __exit__(self, *exc: Any) -> None:
+    @staticmethod
+    def _refuse(tuner: GuardTuner) -> None:
+        if tuner._in_step:
+            raise GuardTrainRuntimeError("`tuner.step()` is already open: steps do not nest.")
+        raise GuardTrainRuntimeError(
+            "`tuner.step()` is used outside `with GuardTuner(...) as tuner:`."
+        )
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         tuner = self._tuner
         tuner._in_step = False
         self._batch = None
-        if exc[0] is None:
+        if exc_type is None:
             tuner._engine.batch_end(tuner._loop)
 
 

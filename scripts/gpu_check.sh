@@ -8,6 +8,12 @@
 #  2. scripts/bench_guard_collectives.py: the per-call cost of guard
 #     collectives, with gloo on that machine's CPU cores, and with NCCL when it
 #     has two GPUs or more.
+#  3. scripts/launch_bound_check.py: a launch-bound training step (32 blocks of
+#     Linear(64) + LayerNorm + ReLU at batch 16: hundreds of tiny kernels per
+#     step, so the host bounds it) on one GPU with inductor: median step time of
+#     eager, plain torch.compile, GuardTuner "aggressive" and "turbo", each
+#     checked against eager after eval(). Fails when a preset did not reach the
+#     steady state or differs from eager. Its time is mostly the 3 inductor compiles.
 #
 # Usage, from anywhere:   bash scripts/gpu_check.sh
 # Python: $PYTHON, else .venv/bin/python when it has CUDA, else python3. It needs
@@ -49,4 +55,7 @@ if [ "$NGPU" -ge 2 ]; then
 else
     echo "fewer than two GPUs: NCCL needs one GPU per rank, so no CUDA benchmark" | tee "$DEST/bench_cuda.log"
 fi
+
+"$PY" scripts/launch_bound_check.py --device cuda --backend inductor \
+    --out "$DEST/launch_bound.json" 2>&1 | tee "$DEST/launch_bound.log" || status=$?
 exit $status

@@ -24,6 +24,15 @@ Configurations:
   configuration runs; the stance entered after warm-up unless
   :func:`guardtrain.engine.decisions.blocker` says no, with the targets'
   per-call ``training`` check and miss handler on.
+* ``turbo``: run by a whole :class:`~guardtrain.engine.core.GuardEngine`
+  (:class:`~guardtrain.bench.runner.EngineRunner`), not only with its levers:
+  each turn of the configuration is one training batch of the engine
+  (``batch_start``/``batch_end``, the model's input as the batch), so the engine
+  warms up, enters the steady state and re-arms as in training, and what the
+  preset adds on entry (direct dispatch) is what is measured. Audits are off;
+  between turns the stance is off for the other configurations. The engine's
+  targets follow its own rules: for ``regional`` the 12 blocks share one code
+  object (H24), where the other presets' rows compile each block privately.
 * ``floor``: ``torch.compiler.skip_all_guards_unsafe`` + ``install_free_tensors``:
   the unsound lower limit, for reference. It keeps Dynamo's one global-state
   guard (grad mode, autocast), so that the training step and the ``no_grad``
@@ -36,8 +45,10 @@ window of ``no_grad`` calls in training mode; per model call, i.e. summed over
 its compiled frames, 12 for ``regional``; each frame's median over the window,
 see :mod:`guardtrain.overhead`), ``call_us`` (a whole ``no_grad`` call, without
 the profiler), ``step_us`` (forward, backward, ``SGD.step``), ``compiles``
-(Dynamo frame compiles during warm-up and measurement) and ``matches_eager``:
-after the measurements (training mode), the model is switched to ``eval()``
+(Dynamo frame compiles during warm-up and measurement), ``call-floor µs/frame``
+(per repeat, the call minus ``floor``'s call, divided by the compiled frames per
+call: 12 for ``regional``, 1 for a whole model; median and range) and
+``matches_eager``: after the measurements (training mode), the model is switched to ``eval()``
 and called under ``no_grad``; the output must equal the uncompiled model's
 with the same weights. ``floor`` fails this on models with dropout: it reuses
 the training-mode graph.
@@ -63,7 +74,13 @@ Modules: :mod:`~guardtrain.bench.models` (configurations and models),
 
 from __future__ import annotations
 
-from guardtrain.bench.checks import TARGETS, check_callback_cost, check_targets, format_checks
+from guardtrain.bench.checks import (
+    MODEL_TARGETS,
+    TARGETS,
+    check_callback_cost,
+    check_targets,
+    format_checks,
+)
 from guardtrain.bench.command import cli, main
 from guardtrain.bench.cost import callback_cost, format_callback_cost
 from guardtrain.bench.measure import (
@@ -76,6 +93,7 @@ from guardtrain.bench.measure import (
 )
 from guardtrain.bench.models import (
     CONFIGS,
+    ENGINE_CONFIGS,
     MODELS,
     QUICK_MODELS,
     BenchModel,
@@ -83,19 +101,22 @@ from guardtrain.bench.models import (
     parse_configs,
 )
 from guardtrain.bench.report import format_table, plot
-from guardtrain.bench.runner import Runner
+from guardtrain.bench.runner import EngineRunner, Runner, make_runner
 
 __all__ = [
     "CALL_CHUNK",
     "CONFIGS",
+    "ENGINE_CONFIGS",
     "METRICS",
     "MODELS",
     "QUICK_MODELS",
     "STEP_CHUNK",
+    "MODEL_TARGETS",
     "TARGETS",
     "BenchModel",
     "BenchOptions",
     "Progress",
+    "EngineRunner",
     "Runner",
     "build_model",
     "callback_cost",
@@ -103,6 +124,7 @@ __all__ = [
     "check_targets",
     "cli",
     "format_callback_cost",
+    "make_runner",
     "format_checks",
     "format_table",
     "main",

@@ -1,4 +1,5 @@
-"""``--callback-cost``: µs per training step of the callback's hooks in the steady state.
+"""``--callback-cost``: µs per training step of the callback's hooks in the steady state,
+and of ``GuardTuner.step``.
 
 Only public API: the callback's hooks, its ``engine`` (``batch_start`` /
 ``batch_end``), ``phase``, ``config`` and ``summary()``, and
@@ -21,6 +22,7 @@ from guardtrain.presets import PresetName
 __all__ = ["callback_cost", "format_callback_cost"]
 
 HOOKS = "hooks (on_train_batch_start + on_train_batch_end)"
+TUNER_STEP = "GuardTuner.step (with tuner.step(batch): pass)"
 
 
 def _per_step(fn: Callable[[], Any], n: int, repeats: int) -> float:
@@ -128,6 +130,45 @@ def _lightning_classes() -> tuple[type, type]:
     return Net, Probe
 
 
+def _tuner_step_cost(preset: PresetName, iterations: int, repeats: int) -> dict[str, float]:
+    """µs per ``with tuner.step(batch): pass`` in the steady state, on the same batch.
+
+    A tiny model trained for 16 real steps under :class:`~guardtrain.GuardTuner`
+    (eager backend, the same warm-up as the callback's run) reaches the steady
+    state; the timed steps then run no model (audits every ``audit_every`` steps
+    included, amortised).
+    """
+    from guardtrain.tuner import GuardTuner
+
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = (torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g))
+    with GuardTuner(
+        model, preset, warmup_steps=4, stable_steps=2, compile_kwargs={"backend": "eager"}
+    ) as tuner:
+        for _ in range(16):
+            with tuner.step(batch):
+                loss = nn.functional.mse_loss(model(batch[0]), batch[1])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        if tuner.phase != "steady":
+            raise RuntimeError(
+                f"GuardTuner never reached the steady state (phase {tuner.phase!r}); "
+                f"summary: {tuner.summary()}"
+            )
+        step = tuner.step
+
+        def one_step() -> None:
+            with step(batch):
+                pass
+
+        us = _per_step(one_step, iterations, repeats)
+        steady = tuner.phase == "steady"
+    return {"us": us, "steady": float(steady)}
+
+
 def _fit(guard: Any, probe: Any, net: Any) -> None:
     """A short ``Trainer.fit`` on random data with the guard callback and the probe."""
     import tempfile
@@ -168,7 +209,9 @@ def callback_cost(
     callback is steady; then, inside a later ``on_train_batch_end``, the
     callback's ``on_train_batch_start`` + ``on_train_batch_end`` are called
     directly on that batch ``iterations`` times (Lightning's hook dispatch is
-    not included), ``repeats`` times; medians are reported.
+    not included), ``repeats`` times; medians are reported. Then the same for
+    ``with tuner.step(batch): pass`` of a steady :class:`~guardtrain.GuardTuner`
+    (row ``GuardTuner.step``).
     """
     from guardtrain.callback import GuardTuneCallback
 
@@ -179,6 +222,7 @@ def callback_cost(
     probe = probe_cls(guard, iterations, repeats, profile)
     _fit(guard, probe, net_cls())
     measured = probe.measured
+    tuner = _tuner_step_cost(preset, iterations, repeats) if measured else None
     if not measured:
         raise RuntimeError(
             f"the callback never reached the steady state (phase {guard.phase!r}); "
@@ -189,8 +233,10 @@ def callback_cost(
         "preset": preset,
         "iterations": iterations,
         "repeats": repeats,
-        "us_per_step": measured["us"],
-        "steady": measured["steady_before"] == "steady" and measured["steady_after"] == "steady",
+        "us_per_step": {**measured["us"], TUNER_STEP: tuner["us"] if tuner else float("nan")},
+        "steady": measured["steady_before"] == "steady"
+        and measured["steady_after"] == "steady"
+        and bool(tuner and tuner["steady"]),
         "cprofile": measured.get("cprofile", ""),
         "audit_every": measured.get("audit_every"),
     }

@@ -13,12 +13,21 @@ from typing import Any
 import torch
 
 from guardtrain.bench.models import CONFIGS, MODELS, BenchModel, build_model, parse_configs
-from guardtrain.bench.runner import Runner
+from guardtrain.bench.runner import Runner, make_runner
+from guardtrain.compile import resolve_targets
 from guardtrain.engine.session import stance_is_unsafe
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.overhead import LookupWindow
 
-__all__ = ["CALL_CHUNK", "METRICS", "STEP_CHUNK", "BenchOptions", "Progress", "run_bench"]
+__all__ = [
+    "CALL_CHUNK",
+    "METRICS",
+    "STEP_CHUNK",
+    "BenchOptions",
+    "Progress",
+    "frames_per_call",
+    "run_bench",
+]
 
 METRICS = ("guard_us", "pregraph_us", "call_us", "step_us")
 CALL_CHUNK = 5
@@ -115,9 +124,33 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def _paired(a: list[float | None], b: list[float | None]) -> list[float]:
+    return [x / y for x, y in zip(a, b) if x is not None and y]
+
+
 def _paired_ratio(a: list[float | None], b: list[float | None]) -> float | None:
-    ratios = [x / y for x, y in zip(a, b) if x is not None and y]
+    ratios = _paired(a, b)
     return statistics.median(ratios) if ratios else None
+
+
+def frames_per_call(model: BenchModel) -> int:
+    """Compiled frames per model call: the targets the presets compile (12 blocks for
+    ``regional``, 1 for a whole model), graph breaks not counted."""
+    return max(1, len(resolve_targets(model.module, model.targets)))
+
+
+def _per_frame(
+    rows: list[Sample], floor: list[Sample] | None, frames: int
+) -> dict[str, float] | None:
+    """Per repeat, ``(call - floor's call) / frames`` (paired); median, min and max, in µs."""
+    if floor is None:
+        return None
+    diffs = [
+        (s["call_us"] - f["call_us"]) / frames
+        for s, f in zip(rows, floor)
+        if s.get("call_us") is not None and f.get("call_us") is not None
+    ]
+    return _summary(diffs) if diffs else None
 
 
 def _lookup(sample: Sample) -> float | None:
@@ -198,7 +231,7 @@ def _run_model(model: BenchModel, shared: _Shared) -> list[dict[str, Any]]:
         for config in shared.configs:
             t0 = time.perf_counter()
             torch.manual_seed(0)
-            runners[config] = Runner(
+            runners[config] = make_runner(
                 model, config, shared.options.backend, shared.options.train_step
             )
             runners[config].warm_up()
@@ -215,8 +248,11 @@ def _run_model(model: BenchModel, shared: _Shared) -> list[dict[str, Any]]:
             for config in shared.configs:
                 samples[config].append(row[config])
         results = []
+        frames = frames_per_call(model)
         for config in shared.configs:
-            results.append(_result(model, runners[config], samples, windows, warmup_s[config]))
+            results.append(
+                _result(model, runners[config], samples, windows, warmup_s[config], frames)
+            )
             shared.progress.update(f"{model.name}: eval check {config}")
         return results
     finally:
@@ -294,21 +330,23 @@ def _medians(rows: list[Sample]) -> tuple[dict[str, float | None], dict[str, Any
 
 def _ratios(
     rows: list[Sample], base: list[Sample] | None, floor: list[Sample] | None
-) -> dict[str, float | None]:
-    """Paired per-repeat ratios against ``compile`` and ``floor`` (where they ran)."""
-    ratios: dict[str, float | None] = {}
+) -> tuple[dict[str, float | None], dict[str, dict[str, float]]]:
+    """Paired per-repeat ratios against ``compile`` and ``floor`` (where they ran): their
+    medians, and their median, min and max (the spread)."""
+    paired: dict[str, list[float]] = {}
     if base is not None:
-        ratios["lookup_vs_compile"] = _paired_ratio(
+        paired["lookup_vs_compile"] = _paired(
             [_lookup(s) for s in rows], [_lookup(s) for s in base]
         )
     for name, other in (("compile", base), ("floor", floor)):
         if other is None:
             continue
         for metric in ("call", "step"):
-            ratios[f"{metric}_vs_{name}"] = _paired_ratio(
+            paired[f"{metric}_vs_{name}"] = _paired(
                 [s[f"{metric}_us"] for s in rows], [s[f"{metric}_us"] for s in other]
             )
-    return ratios
+    ratios = {k: (statistics.median(v) if v else None) for k, v in paired.items()}
+    return ratios, {k: _summary(v) for k, v in paired.items() if v}
 
 
 def _result(
@@ -317,6 +355,7 @@ def _result(
     samples: dict[str, list[Sample]],
     windows: _Windows,
     warmup_s: float,
+    frames: int = 1,
 ) -> dict[str, Any]:
     """One row of the results: the eval check, medians, spread, ratios, counters."""
     matches, diff = runner.eval_check()
@@ -344,6 +383,15 @@ def _result(
         steps_per_window=windows.steps,
         lookup_calls_per_window=windows.lookup_calls,
         warmup_s=round(warmup_s, 2),
-        ratios=_ratios(rows, samples.get("compile"), samples.get("floor")),
     )
+    ratios, ratio_spread = _ratios(rows, samples.get("compile"), samples.get("floor"))
+    per_frame = _per_frame(rows, samples.get("floor"), frames)
+    result.update(
+        ratios=ratios,
+        ratio_spread=ratio_spread,
+        frames_per_call=frames,
+        per_frame_us=None if per_frame is None else per_frame["median"],
+        per_frame_spread=per_frame,
+    )
+    result.update(runner.extra())
     return result

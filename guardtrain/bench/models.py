@@ -14,6 +14,7 @@ from guardtrain.errors import GuardTrainValueError
 
 __all__ = [
     "CONFIGS",
+    "ENGINE_CONFIGS",
     "MODELS",
     "PRESET_CONFIGS",
     "QUICK_MODELS",
@@ -26,10 +27,13 @@ __all__ = [
     "parse_configs",
 ]
 
-CONFIGS = ("eager", "compile", "off", "safe", "balanced", "aggressive", "floor")
+CONFIGS = ("eager", "compile", "off", "safe", "balanced", "aggressive", "turbo", "floor")
 """Every configuration, in table order."""
-PRESET_CONFIGS = ("off", "safe", "balanced", "aggressive")
+PRESET_CONFIGS = ("off", "safe", "balanced", "aggressive", "turbo")
 """The configurations that are presets, run through the engine's levers."""
+ENGINE_CONFIGS = ("turbo",)
+"""Presets run by a whole engine with its phases (warm-up, entry, the steady state), not
+only with its levers: what ``turbo`` adds happens when the engine enters the steady state."""
 MODELS = ("mlp", "transformer", "regional")
 """Built-in models; ``package.module:factory`` names a user model."""
 QUICK_MODELS = ("transformer",)

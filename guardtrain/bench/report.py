@@ -19,6 +19,7 @@ HEADER = (
     "call µs",
     "/compile",
     "/floor",
+    "call-floor µs/frame",
     "step µs",
     "/compile",
     "/floor",
@@ -46,6 +47,23 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _ratio_range(r: dict[str, Any], name: str) -> str:
+    """A paired ratio with its range over the repeats: ``0.91 [0.89-0.95]``."""
+    value = r.get("ratios", {}).get(name)
+    s = r.get("ratio_spread", {}).get(name)
+    if value is None or not s:
+        return _ratio(value)
+    return f"{value:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+
+
+def _per_frame(r: dict[str, Any]) -> str:
+    """Call minus floor's call per compiled frame (paired per repeat), with its range."""
+    s = r.get("per_frame_spread")
+    if not s or r["config"] == "floor":
+        return "-"
+    return f"{s['median']:+.1f} [{s['min']:+.1f}, {s['max']:+.1f}]"
+
+
 def _row(r: dict[str, Any]) -> list[str]:
     ratios = r.get("ratios", {})
     return [
@@ -56,10 +74,11 @@ def _row(r: dict[str, Any]) -> list[str]:
         _ratio(ratios.get("lookup_vs_compile")),
         _fmt(r["call_us"]) + _spread(r, "call_us"),
         _ratio(ratios.get("call_vs_compile")),
-        _ratio(ratios.get("call_vs_floor")),
+        _ratio_range(r, "call_vs_floor"),
+        _per_frame(r),
         _fmt(r["step_us"]) + _spread(r, "step_us"),
         _ratio(ratios.get("step_vs_compile")),
-        _ratio(ratios.get("step_vs_floor")),
+        _ratio_range(r, "step_vs_floor"),
         str(r["compiles"]),
         ("yes" if r["matches_eager"] else "NO") + ("" if r["config"] != "floor" else " (unsound)"),
     ]
@@ -86,8 +105,9 @@ def _notes(data: dict[str, Any]) -> list[str]:
         f"{machine.get('torch_threads')} thread(s), load "
         f"{machine.get('loadavg_start')} -> {machine.get('loadavg_end')}",
         "µs: median over repeats, ± half the range in % of the median; ratios: median of "
-        "per-repeat ratios; guard/pregraph: per model call (all compiled frames); "
-        "call/step: median call of each window.",
+        "per-repeat ratios, [min-max] over the repeats; guard/pregraph: per model call (all "
+        "compiled frames); call/step: median call of each window; call-floor µs/frame: "
+        "(call - floor's call) / compiled frames per call, paired per repeat, [min, max].",
     ]
     for r in data["results"]:
         extra = []
@@ -99,6 +119,15 @@ def _notes(data: dict[str, Any]) -> list[str]:
             extra.append(f"stance misses: {r['misses'][0]}")
         for off in r.get("switched_off", []):
             extra.append(f"{off['lever']} switched off: {off['why']}")
+        if r.get("driver") == "engine":
+            engine = r.get("engine", {})
+            shared = engine.get("shared_code") or []
+            extra.append(
+                f"run by the engine's phases ({engine.get('phase_while_measuring')} while "
+                f"measuring, after {engine.get('warmup_batches')} warm-up batches"
+                + (f"; {len(shared[0]['targets'])} targets share code" if shared else "")
+                + ")"
+            )
         if extra:
             notes.append(f"{r['model']}/{r['config']}: " + "; ".join(extra))
     cost = data.get("lookup_window_cost_us")

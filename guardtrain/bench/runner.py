@@ -25,16 +25,24 @@ from typing import Any
 import torch
 
 from guardtrain import filters as _filters
-from guardtrain.bench.models import BenchModel
+from guardtrain.bench.models import ENGINE_CONFIGS, BenchModel
 from guardtrain.compile import CompiledTarget, check_compile_kwargs, resolve_targets
 from guardtrain.engine import decisions
 from guardtrain.engine.config import make_config
 from guardtrain.engine.core import GuardEngine, Host, Levers
+from guardtrain.engine.phases import Loop
 from guardtrain.engine.session import StanceSession
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.overhead import LookupStats, LookupWindow
 
-__all__ = ["ConfigLevers", "Runner", "floor_levers", "preset_levers"]
+__all__ = [
+    "ConfigLevers",
+    "EngineRunner",
+    "Runner",
+    "floor_levers",
+    "make_runner",
+    "preset_levers",
+]
 
 OWNER = "guardtrain bench"
 
@@ -127,7 +135,9 @@ class Runner:
         self.check_compiles = 0
         self.check_misses: list[str] = []
         self.measuring = False
-        kwargs = check_compile_kwargs({"backend": backend})
+        self._compile(config, backend, check_compile_kwargs({"backend": backend}))
+
+    def _compile(self, config: str, backend: str, kwargs: dict[str, Any]) -> None:
         if config == "compile":
             self._compile_plainly(backend)
         elif config == "floor":
@@ -290,8 +300,160 @@ class Runner:
         ok = same_shape and bool(torch.allclose(out, ref, rtol=1e-3, atol=1e-4))
         return ok, diff
 
+    def extra(self) -> dict[str, Any]:
+        """What this configuration adds to its row of the results (nothing here)."""
+        return {}
+
     def close(self) -> None:
         """Put the model's ``forward`` back (the stance and config are off outside ``active``)."""
         for target in self.targets:
             target.uninstall()
         self.targets = []
+
+
+_TRAIN = Loop.TRAIN.value
+
+
+class EngineRunner(Runner):
+    """A preset run by a :class:`~guardtrain.engine.core.GuardEngine` with its phases, as in
+    training: what the engine does on entering the steady state (the stance, direct
+    dispatch for ``turbo``) is what is measured.
+
+    The engine compiles the model's targets in place (with ``targets=None`` rules
+    off: the bench's targets are named, so repeated blocks share code as in a real
+    run, H24). Each turn of this configuration (:meth:`active`) is one training
+    batch of the engine (``batch_start`` / ``batch_end``) with the model's input as
+    the batch; the engine decides warm-up, entry and re-arms (``warmup_steps=2``,
+    ``stable_steps=1``). Audits are off (``audit_every=None``): an audit batch runs
+    with full guards, which a window of steady calls must not mix in. Between its
+    turns the stance is switched off for the other configurations
+    (``engine.session``), the engine's own state untouched.
+    """
+
+    WARMUP_STEPS = 2
+    STABLE_STEPS = 1
+
+    def _compile(self, config: str, backend: str, kwargs: dict[str, Any]) -> None:
+        made = make_config(
+            config,
+            targets=list(self.model.targets),
+            compile_kwargs=kwargs,
+            log_metrics=False,
+            warmup_steps=self.WARMUP_STEPS,
+            stable_steps=self.STABLE_STEPS,
+            audit_every=None,
+            measure_lookup=False,
+        )
+        # The bench measures the preset even where GUARDTRAIN_DISABLE turns the adapters off.
+        made = dataclasses.replace(made, disabled=False)
+        self.warnings: list[str] = []
+        host = Host(
+            info=lambda _: None, warn=self.warnings.append, owner=OWNER, root_label="<model>"
+        )
+        self.engine = GuardEngine(made, host)
+        self.engine.setup()
+        self.config_values = self.engine.config_values()
+        self.use_stance = self.engine.levers.use_stance
+        self._rearms_seen = 0
+        self._stance_paused = False
+        self.warmup_rearms: list[str] = []
+        self.warmup_batches = 0
+        self.measured_phase: str | None = None
+        cfg = torch._dynamo.config
+        before = {key: getattr(cfg, key) for key in self.config_values}
+        self.engine.activate(self.module, host, root_by_default=True)
+        for key, value in before.items():  # set only while this configuration runs
+            setattr(cfg, key, value)
+        self.targets = list(self.engine.run.targets)
+        self.switched_off = list(self.engine.summary()["switched_off"])
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """One training batch of the engine, with its Dynamo config and stance."""
+        engine = self.engine
+        cfg = torch._dynamo.config
+        saved = {key: getattr(cfg, key) for key in self.config_values}
+        before = _frames()
+        for key, value in self.config_values.items():
+            setattr(cfg, key, value)
+        if self._stance_paused:
+            self._stance_paused = False
+            engine.session.set_stance(True)
+        engine.batch_start(_TRAIN, self.args, self.module.training)
+        try:
+            yield
+        finally:
+            engine.batch_end(_TRAIN)
+            if engine.session.stance_on:  # the other configurations run with full guards
+                engine.session.set_stance(False)
+                self._stance_paused = True
+            for key, value in saved.items():
+                setattr(cfg, key, value)
+            done = _frames() - before
+            self.compiles += done
+            if self.measuring:
+                self.steady_compiles += done
+            rearms = engine.machine.rearms
+            self.misses.extend(str(r["reason"]) for r in rearms[self._rearms_seen :])
+            self._rearms_seen = len(rearms)
+            self.targets = list(engine.run.targets)
+
+    def blocker(self) -> str | None:
+        return self.engine.run.stance_blocked
+
+    def warm_up(self, max_rounds: int = 12) -> None:
+        """Batches of training steps and ``no_grad`` calls until the engine entered the
+        steady state and one batch ran in it without a re-arm."""
+        for _ in range(max_rounds):
+            steady_before = self.engine.phase == "steady"
+            rearms = len(self.misses)
+            with self.active():
+                for _ in range(2 if self.with_step else 0):
+                    self.train_step()
+                for _ in range(2):
+                    self.forward_no_grad()
+            if self.blocker() is not None:
+                break
+            if steady_before and self.engine.phase == "steady" and len(self.misses) == rearms:
+                break
+        self.blocked = self.blocker()
+        self.steady = self.engine.phase == "steady"
+        self.warmup_rearms = list(self.misses)
+        self.warmup_batches = self.engine.summary()["warmup_steps_taken"]
+        self.misses.clear()
+        self.measuring = True
+
+    def eval_check(self) -> tuple[bool, float]:
+        self.measured_phase = self.engine.phase  # before eval() re-arms the loop
+        return super().eval_check()
+
+    def extra(self) -> dict[str, Any]:
+        summary = self.engine.summary()
+        out: dict[str, Any] = {
+            "driver": "engine",
+            "engine": {
+                "phase_while_measuring": self.measured_phase,
+                "phase_after_eval_check": summary["phase"],
+                "warmup_batches": self.warmup_batches,
+                "steady_steps": summary["steady_steps"],
+                "shared_code": summary["shared_code"],
+                "warmup_rearms": self.warmup_rearms[:5],
+            },
+        }
+        for key, value in summary.items():  # direct dispatch's own report, where the engine has one
+            if "dispatch" in key or "turbo" in key:
+                out["engine"][key] = value
+        if self.warnings:
+            out["engine"]["warnings"] = self.warnings[:5]
+        return out
+
+    def close(self) -> None:
+        """End the engine's run: everything it changed is put back."""
+        self.engine.finish()
+        self.targets = []
+
+
+def make_runner(model: BenchModel, config: str, backend: str, train_step: bool = True) -> Runner:
+    """The runner of ``config``: an :class:`EngineRunner` for :data:`ENGINE_CONFIGS`."""
+    cls = EngineRunner if config in ENGINE_CONFIGS else Runner
+    return cls(model, config, backend, train_step)

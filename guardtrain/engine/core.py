@@ -43,6 +43,7 @@ from guardtrain.engine.session import StanceSession
 from guardtrain.filters import GuardFilter
 from guardtrain.monitor import (
     CompileMonitor,
+    SameSignature,
     batch_signature,
     describe_signature,
     fingerprint_change,
@@ -116,6 +117,8 @@ class RunState:
     stance_blocked: str | None = None
     uncompiled: list[str] = field(default_factory=list)
     compiles_at_batch: int = 0
+    same_signature: dict[str, SameSignature | None] = field(default_factory=dict)
+    """Per loop: recognises a batch with the previous batch's signature (the steady path)."""
     rank: int | None = None
     all_rearms: list[dict[str, Any]] | None = None
     entered_together: bool = False
@@ -745,19 +748,34 @@ class GuardEngine:
             warmed_training: the flag the loop warmed up with (None: the
                 Trainer's rule, ``True`` in training only).
         """
-        run, m = self.run, self.machine
+        run = self.run
         if not run.active:
             return
         run.loop = loop
         if loop in run.pending:
             run.pending.discard(loop)
             self._boundary_check(loop)
+        m = self.machine
         if m.use_stance:
-            steady = m.loops[loop].phase == STEADY
+            state = m.loops[loop]
+            steady = state.phase == STEADY
             check = None
-            signature = batch_signature(batch)
-            unseen = m.new_signature(loop, signature)
-            if steady:
+            same = run.same_signature.get(loop)
+            if same is not None and same.signature is state.last_signature and same.matches(batch):
+                unseen = False  # the previous batch's signature (most batches)
+            else:
+                signature = batch_signature(batch)
+                last = state.last_signature
+                unseen = m.new_signature(loop, signature)
+                if state.last_signature is last:
+                    # The previous batch's signature again: recognise the next one fast.
+                    # Not after a change, so that shapes that vary from batch to batch
+                    # (H26) pay nothing for a matcher they would never use.
+                    run.same_signature[loop] = SameSignature.of(batch, last, same)
+            if steady and (
+                unseen
+                or training is not ((loop == TRAIN) if warmed_training is None else warmed_training)
+            ):
                 reason = decisions.leave_reason(loop, None, training, warmed_training)
                 if reason is None and unseen:
                     described = describe_signature(signature)
@@ -774,7 +792,7 @@ class GuardEngine:
             if loop == TRAIN:
                 if run.measure is not None and steady:
                     steady = self._measure_batch()
-                elif m.loops[TRAIN].batches >= run.next_check:
+                elif state.batches >= run.next_check:
                     steady = self._audit_or_verify(steady)
                 if self.config.guard_collectives:
                     self.session.set_guard_collectives(self._paired() and run.entered_together)
@@ -802,7 +820,21 @@ class GuardEngine:
             self._end_audit_or_verify(compiled)
         if run.window is not None and loop == TRAIN:
             self._end_measure_batch()
-        m.batch_done(loop, compiled)
+        state = m.loops[loop]
+        if (
+            not compiled
+            and loop == TRAIN
+            and state.phase == STEADY
+            and state.warmed_once
+            and m.use_stance
+        ):
+            # PhaseMachine.batch_done for a steady training batch that compiled nothing,
+            # without the call (the per-step path).
+            state.batches += 1
+            state.since_compile += 1
+            m.steady_steps += 1
+        else:
+            m.batch_done(loop, compiled)
         if compiled:
             self._after_compile()
         if run.probe is not None:
@@ -814,7 +846,7 @@ class GuardEngine:
         if loop == TRAIN:
             if (
                 m.use_stance
-                and (m.collective or m.loops[TRAIN].phase != STEADY)
+                and (m.collective or state.phase != STEADY)
                 and m.is_decision_point(loop)
             ):
                 self._decide(loop)
