@@ -444,15 +444,18 @@ def call_key(
 
 def outside_state_clear() -> bool:
     """No compile callback, torch-function mode or saved-tensor hooks active (what the
-    guards of a frame check about the outside world, beside global state)."""
-    return _frame_callback() is None and not _function_modes() and _saved_hooks(True) is None
-
-
-def unsafe_stance_only() -> bool:
-    """The stance is the plain unsafe one guardtrain sets (not ``force_eager``, not
-    another backend): a harvested entry runs what Dynamo would run under it."""
+    guards of a frame check about the outside world, beside global state), and the
+    stance is the plain unsafe one guardtrain sets (not ``force_eager``, not another
+    backend): a harvested entry then runs what Dynamo would run."""
     stance = _eval_frame._stance
-    return stance.stance == "default" and stance.skip_guard_eval_unsafe and stance.backend is None
+    return (
+        stance.skip_guard_eval_unsafe
+        and stance.stance == "default"
+        and stance.backend is None
+        and _frame_callback() is None
+        and not _function_modes()
+        and _saved_hooks(True) is None
+    )
 
 
 class Direct:
@@ -467,7 +470,7 @@ class Direct:
     between inputs), so such a call never runs directly.
     """
 
-    __slots__ = ("code", "fn", "global_state", "key", "stance", "tensors")
+    __slots__ = ("code", "fn", "global_state", "key", "tensors")
 
     def __init__(
         self,
@@ -484,13 +487,11 @@ class Direct:
             *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None
         )
         self.global_state = _guards.GlobalStateGuard()
-        self.stance = _eval_frame._stance
 
     def matches(self, key: tuple[Any, ...], tensors: list[torch.Tensor]) -> bool:
         assert _live_codes is not None
         return (
             key == self.key
-            and _eval_frame._stance is self.stance
             and id(self.code) in _live_codes
             and self.global_state.check()
             and self.tensors.check(*tensors)
@@ -1195,11 +1196,7 @@ class CompiledTarget:
                                 break
                         else:
                             direct = None
-                            if (
-                                target.may_harvest(mode)
-                                and unsafe_stance_only()
-                                and not dispatch_mode_active()
-                            ):
+                            if target.may_harvest(mode) and not dispatch_mode_active():
                                 direct = target.harvest(mode, key, tensors, args, kwargs)
                                 if direct is None:
                                     # No entry's guards accept the call: the stance would
