@@ -439,6 +439,12 @@ def call_key(
         for value in kwargs.values():
             if not _walk(value, key, tensors):
                 return None
+    if len(tensors) > 1:
+        # Which arguments are one tensor: Dynamo merges a tensor passed twice into one
+        # graph input, so an entry harvested from (x, x) must not serve (x, y), nor the
+        # reverse (``TensorGuards`` refuses a repeated tensor, but not distinct ones).
+        ids = [id(t) for t in tensors]
+        key.append(tuple(ids.index(i) for i in ids) if len(set(ids)) < len(ids) else None)
     return tuple(key), tensors
 
 
@@ -466,11 +472,14 @@ class Direct:
     the same, Dynamo's global-state guard holds, its arguments have the same
     structure and plain values, and its tensors pass ``TensorGuards`` built from the
     harvested call (dtype, device, ``requires_grad``, dispatch keys, sizes, strides).
-    ``TensorGuards`` also refuses one tensor passed twice (Dynamo guards aliasing
-    between inputs), so such a call never runs directly.
+    The key also holds which arguments are one tensor (Dynamo guards aliasing
+    between inputs). When the code had several entries at harvest, a call must also
+    pass the entry's *diff guards*, the guards that tell its entries apart (a module
+    attribute, a submodule's ``training`` flag, a global value): what the stance
+    itself evaluates.
     """
 
-    __slots__ = ("code", "fn", "global_state", "key", "tensors")
+    __slots__ = ("code", "fn", "global_state", "key", "manager", "tensors")
 
     def __init__(
         self,
@@ -478,6 +487,7 @@ class Direct:
         closure: tuple[types.CellType, ...],
         key: tuple[Any, ...],
         tensors: list[torch.Tensor],
+        several: bool,
     ) -> None:
         self.code: types.CodeType = entry.code
         self.fn = types.FunctionType(entry.code, globals(), entry.code.co_name, None, closure)
@@ -487,15 +497,29 @@ class Direct:
             *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None
         )
         self.global_state = _guards.GlobalStateGuard()
+        self.manager: Any = entry.guard_manager if several else None
+        """The entry's guard manager when the code had other entries: its diff guards
+        pick between them. Entries are added only with the stance off, which empties
+        every dispatch table, so a table never outlives a change in their number."""
 
-    def matches(self, key: tuple[Any, ...], tensors: list[torch.Tensor]) -> bool:
+    def matches(
+        self,
+        key: tuple[Any, ...],
+        tensors: list[torch.Tensor],
+        scope: Callable[[], dict[str, Any]],
+    ) -> bool:
         assert _live_codes is not None
-        return (
+        if not (
             key == self.key
             and id(self.code) in _live_codes
             and self.global_state.check()
             and self.tensors.check(*tensors)
-        )
+        ):
+            return False
+        if self.manager is None:
+            return True
+        root = self.manager.diff_guard_root  # Dynamo rebuilds it when entries change
+        return root is None or bool(root.check(scope()))
 
 
 class TargetCode:
@@ -1033,6 +1057,17 @@ class CompiledTarget:
         self.table = {}
         self.harvests = 0
 
+    def call_scope(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The trampoline frame's locals for a call: what its guard managers read."""
+        if self.c.shared:
+            return {
+                _SHARED_NAME: self.module,
+                "args": args,
+                "kwargs": kwargs,
+                "forward": self.c.func,
+            }
+        return {"args": args, "kwargs": kwargs, _CLOSURE_NAME: self._bound}
+
     def may_harvest(self, mode: Mode) -> bool:
         """Whether another harvest is allowed: :data:`DIRECT_LIMIT` per mode, four
         times that in all, until the table is next emptied (inputs that change every
@@ -1050,14 +1085,12 @@ class CompiledTarget:
         self.harvests += 1
         if _cache_entry_list is None:  # turbo is refused on such a torch
             return None
-        if c.shared:
-            scope = {_SHARED_NAME: self.module, "args": args, "kwargs": kwargs, "forward": c.func}
-        else:
-            scope = {"args": args, "kwargs": kwargs, _CLOSURE_NAME: self._bound}
-        for entry in _cache_entry_list(c.code):
+        scope = self.call_scope(args, kwargs)
+        entries = _cache_entry_list(c.code)
+        for entry in entries:
             manager = getattr(entry, "guard_manager", None)
             if manager is not None and manager.check(scope):
-                direct = Direct(entry, c.closure, key, tensors)
+                direct = Direct(entry, c.closure, key, tensors, several=len(entries) > 1)
                 table.append(direct)
                 return direct
         return None
@@ -1076,12 +1109,8 @@ class CompiledTarget:
         """
         if _cache_entry_list is None:
             return False
-        c = self.c
-        if c.shared:
-            scope = {_SHARED_NAME: self.module, "args": args, "kwargs": kwargs, "forward": c.func}
-        else:
-            scope = {"args": args, "kwargs": kwargs, _CLOSURE_NAME: self._bound}
-        for entry in _cache_entry_list(c.code):
+        scope = self.call_scope(args, kwargs)
+        for entry in _cache_entry_list(self.c.code):
             manager = getattr(entry, "guard_manager", None)
             if manager is not None and manager.check(scope):
                 self.checks += 1
@@ -1192,7 +1221,9 @@ class CompiledTarget:
                     key, tensors = found
                     if outside_state_clear():
                         for direct in target.table.get(mode, ()):
-                            if direct.matches(key, tensors):
+                            if direct.matches(
+                                key, tensors, lambda: target.call_scope(args, kwargs)
+                            ):
                                 break
                         else:
                             direct = None

@@ -261,11 +261,16 @@ def test_baseline_checkpoints_load(baseline: Run) -> None:
     )
 
 
-def test_aggressive_eager_checkpoints_every_epoch(baseline: Run, tmp_path: Path) -> None:
-    guarded = run(AGGRESSIVE_EAGER, tmp_path)
+@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+def test_aggressive_eager_checkpoints_every_epoch(
+    baseline: Run, tmp_path: Path, preset: str
+) -> None:
+    guarded = run([f"+guard={preset}", *AGGRESSIVE_EAGER[1:]], tmp_path)
 
     cb = guarded.guard
-    assert cb is not None and cb.preset == "aggressive"
+    assert cb is not None and cb.preset == preset
+    if preset == "turbo":
+        assert cb.summary()["direct_dispatch"]["calls"] > 0
     assert cb.compile_kwargs == {"backend": "eager"}
     summary = cb.summary()
     assert summary["targets"] == ["net"]

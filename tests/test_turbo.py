@@ -204,6 +204,92 @@ def test_one_tensor_passed_twice_is_not_run_by_an_entry_for_two() -> None:
     assert torch.equal(got, want) and torch.equal(x, x_eager)
 
 
+FLAG = False
+"""A global read in :class:`Toggled`'s forward (a value guard, kept per frame)."""
+
+
+class Toggled(nn.Module):
+    """Its output depends on an attribute, a submodule's ``training`` flag and a global:
+    each value compiles an entry of its own, and the stance tells them apart by the
+    guards that differ between entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.flag = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.lin(x))
+        if self.flag:
+            y = y * 2
+        return y * 3 if FLAG else y
+
+
+@pytest.mark.parametrize("what", ["attribute", "submodule training", "global"])
+def test_entries_told_apart_by_diff_guards_run_their_own(what: str) -> None:
+    """Two values alternate within every step, each with an entry since warm-up: each
+    call runs its own value's entry, directly (the harvested entry's diff guards are
+    checked per call, as the stance does)."""
+    global FLAG
+    torch.manual_seed(0)
+    model = Toggled()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+
+    def set_value(m: Toggled, on: bool) -> None:
+        global FLAG
+        if what == "attribute":
+            m.flag = on
+        elif what == "submodule training":
+            m.bn.train(on)
+        else:
+            FLAG = on
+
+    try:
+        with torch.no_grad(), guard_tuner(model, "turbo", warmup_steps=2, stable_steps=1) as t:
+            for _ in range(10):
+                with t.step((x,)):
+                    for on in (False, True):
+                        set_value(model, on)
+                        got = model(x)
+                        set_value(eager, on)
+                        assert torch.equal(got, eager(x)), (what, on)
+            assert _direct_calls(t) >= 8
+            assert [tt.cache_entries() for tt in t.engine.run.targets] == [2]
+    finally:
+        FLAG = False
+
+
+@pytest.mark.parametrize("first", ["x, x", "x, y"])
+def test_one_tensor_twice_and_two_tensors_use_their_own_entries(first: str) -> None:
+    """Dynamo merges a tensor passed twice into one graph input: an entry harvested from
+    ``(x, x)`` must not serve ``(x, y)``, nor the reverse."""
+
+    class Minus(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.lin(a) - b
+
+    torch.manual_seed(0)
+    model = Minus()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    order = [(x, x), (x, y)] if first == "x, x" else [(x, y), (x, x)]
+    with guard_tuner(model, "turbo", warmup_steps=2, stable_steps=1) as t:
+        for _ in range(6):  # warm-up sees only the first kind
+            with t.step((x,)):
+                assert torch.equal(model(*order[0]), eager(*order[0]))
+        assert _direct_calls(t) > 0
+        for _ in range(4):
+            with t.step((x,)):
+                for args in order:
+                    assert torch.equal(model(*args), eager(*args)), args
+
+
 def test_direct_calls_match_the_normal_path_bitwise() -> None:
     """Train, no_grad and eval calls, directly and through Dynamo: the same numbers."""
     torch.manual_seed(0)
