@@ -389,7 +389,6 @@ a dispatch holds it, so ``id(code) in _live_codes`` tells whether Dynamo still k
 the entry (H30)."""
 DIRECT_LIMIT = 8
 """Dispatches kept per mode (input signatures, e.g. a short last batch)."""
-_TENSOR = object()
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
@@ -408,7 +407,7 @@ def _walk(value: Any, key: list[Any], tensors: list[torch.Tensor]) -> bool:
     False for anything else (its state could change without a visible difference)."""
     kind = type(value)
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
-        key.append(_TENSOR)
+        key.append(kind)  # the exact class: TensorGuards does not check a subclass
         tensors.append(value)
         return True
     if kind in _PLAIN:

@@ -45,6 +45,10 @@ class Scaled(nn.Module):
         return self.b(torch.relu(self.a(x))) * scale
 
 
+class Marked(torch.Tensor):
+    """A tensor subclass with torch's default behaviour."""
+
+
 def _direct_calls(tuner: GuardTuner) -> int:
     return sum(t.direct_calls for t in tuner.engine.run.targets)
 
@@ -98,6 +102,8 @@ def _call(case: str, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, A
         return out, x.stride()
     if case == "float argument":
         return model(x, 2.5), None
+    if case == "tensor subclass":
+        return model(x.as_subclass(Marked)).as_subclass(torch.Tensor), None
     if case == "torch-function mode":
         mode, seen = _counting_function_mode()
         with mode():
@@ -133,6 +139,7 @@ CASES = [
     "input requires grad",
     "strides",
     "float argument",
+    "tensor subclass",
     "torch-function mode",
     "dispatch mode",
     "saved-tensor hooks",
