@@ -390,6 +390,7 @@ the entry (H30)."""
 DIRECT_LIMIT = 8
 """Dispatches kept per mode (input signatures, e.g. a short last batch)."""
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_Tensor = torch.Tensor
 
 
 def direct_supported() -> bool:
@@ -431,19 +432,26 @@ def call_key(
     key: list[Any] = [len(args)]
     tensors: list[torch.Tensor] = []
     for value in args:
-        if not _walk(value, key, tensors):
+        if type(value) is _Tensor:  # the common case, without a call
+            key.append(_Tensor)
+            tensors.append(value)
+        elif not _walk(value, key, tensors):
             return None
     if kwargs:
         key.append(tuple(kwargs))
         for value in kwargs.values():
-            if not _walk(value, key, tensors):
+            if type(value) is _Tensor:
+                key.append(_Tensor)
+                tensors.append(value)
+            elif not _walk(value, key, tensors):
                 return None
-    if len(tensors) > 1:
+    n = len(tensors)
+    if n > 1 and (tensors[0] is tensors[1] if n == 2 else len(set(map(id, tensors))) < n):
         # Which arguments are one tensor: Dynamo merges a tensor passed twice into one
         # graph input, so an entry harvested from (x, x) must not serve (x, y), nor the
         # reverse (``TensorGuards`` refuses a repeated tensor, but not distinct ones).
         ids = [id(t) for t in tensors]
-        key.append(tuple(ids.index(i) for i in ids) if len(set(ids)) < len(ids) else None)
+        key.append(tuple(ids.index(i) for i in ids))
     return tuple(key), tensors
 
 
@@ -472,8 +480,8 @@ class Direct:
     structure and plain values, and its tensors pass ``TensorGuards`` built from the
     harvested call (dtype, device, ``requires_grad``, dispatch keys, sizes, strides).
     The key also holds which arguments are one tensor (Dynamo guards aliasing
-    between inputs). When the code had several entries at harvest, a call must also
-    pass the entry's *diff guards*, the guards that tell its entries apart (a module
+    between inputs). When several entries were compiled for the call's mode, a call
+    must also pass the entry's *diff guards*, the guards that tell its entries apart (a module
     attribute, a submodule's ``training`` flag, a global value): what the stance
     itself evaluates.
     """
@@ -497,9 +505,12 @@ class Direct:
         )
         self.global_state = _guards.GlobalStateGuard()
         self.manager: Any = entry.guard_manager if several else None
-        """The entry's guard manager when the code had other entries: its diff guards
-        pick between them. Entries are added only with the stance off, which empties
-        every dispatch table, so a table never outlives a change in their number."""
+        """The entry's guard manager when other entries may serve a call of the same
+        mode: its diff guards pick between them. With one compile per mode the mode
+        key and global state already tell the entries apart (their guards check
+        grad mode, ``.training`` and autocast), and the diff guards are skipped.
+        Entries are added only with the stance off, which empties every dispatch
+        table, so a table never outlives a change in their number."""
 
     def matches(
         self,
@@ -560,6 +571,9 @@ class TargetCode:
         self.compiled: Callable[..., Any]
         self.assertions: list[tuple[Assertion, ...]] = []
         self.modes: set[Mode] = set()
+        self.mode_compiles: dict[Mode, int] = {}
+        """Compiles per mode: with more than one, entries of one mode differ by guards
+        that the mode key does not cover (a module attribute, a global; H30)."""
         """``(training, grad enabled, inference mode, autocast on)`` of every compile."""
         self.fast_modes: set[Mode] = set()
         """The modes a call may have under the stance: compiled, and, unless a
@@ -592,6 +606,7 @@ class TargetCode:
         self.code = (_SHARED_TEMPLATE if self.shared else _TEMPLATE).replace()
         self.assertions = []
         self.modes = set()
+        self.mode_compiles = {}
         self.fast_modes = set()
         self._training_failed = False
         self._root_entries = 0
@@ -625,13 +640,16 @@ class TargetCode:
                 # Entries we recorded are gone (torch._dynamo.reset()): so is what
                 # they asserted, and the modes they were compiled for.
                 self.modes.clear()
+                self.mode_compiles.clear()
                 self.assertions = []
                 self._training_failed = False
             self._root_entries = existing + 1
         if reason is not None and ".training" in reason:
             # A failed `.training` guard is one the stance evaluates from now on.
             self._training_failed = True
-        self.modes.add(_mode(member.module))
+        mode = _mode(member.module)
+        self.modes.add(mode)
+        self.mode_compiles[mode] = self.mode_compiles.get(mode, 0) + 1
         self.fast_modes = set(self.modes) if self._training_failed else _unambiguous(self.modes)
         self.compiles += 1
         self.generation += 1
@@ -1089,7 +1107,8 @@ class CompiledTarget:
         for entry in entries:
             manager = getattr(entry, "guard_manager", None)
             if manager is not None and manager.check(scope):
-                direct = Direct(entry, c.closure, key, tensors, several=len(entries) > 1)
+                several = len(entries) > 1 and c.mode_compiles.get(mode, 0) != 1
+                direct = Direct(entry, c.closure, key, tensors, several=several)
                 table.append(direct)
                 return direct
         return None

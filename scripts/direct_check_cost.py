@@ -5,10 +5,11 @@ the steady state, and times each check that a direct call makes on the call's
 own inputs: the call key (structure, plain values, tensors), the outside-state
 check (stance, eval-frame callback, torch-function modes, saved-tensor hooks),
 the reset check (the entry's code still in Dynamo's code map), Dynamo's
-``GlobalStateGuard`` and ``TensorGuards``. Medians of 7 repeats, minus an
+``GlobalStateGuard`` and ``TensorGuards``, and with ``--diff`` (two entries
+compiled for one mode) the entry's diff guards. Medians of 7 repeats, minus an
 empty loop. Usage::
 
-    .venv/bin/python scripts/direct_check_cost.py [--args N]
+    .venv/bin/python scripts/direct_check_cost.py [--args N] [--diff]
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ class Many(nn.Module):
         super().__init__()
         self.lin = nn.Linear(8, 8)
         self.n = n
+        self.flag = False
 
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
         out = self.lin(xs[0])
+        if self.flag:
+            out = out * 2
         for x in xs[1:]:
             out = out + x
         return out
@@ -52,7 +56,11 @@ def per_call(fn: Callable[[], Any], n: int = 100_000) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--args", type=int, default=2, help="tensor arguments per call")
-    n = ap.parse_args().args
+    ap.add_argument(
+        "--diff", action="store_true", help="compile two entries of one mode (diff guards)"
+    )
+    options = ap.parse_args()
+    n, diff = options.args, options.diff
     torch.set_num_threads(1)
     model = Many(n)
     xs = tuple(torch.randn(16, 8) for _ in range(n))
@@ -67,11 +75,18 @@ def main() -> None:
         for _ in range(5):
             with tuner.step(xs):
                 model(*xs).sum().backward()
+                if diff:  # a second entry of the same mode: diff guards pick between them
+                    model.flag = True
+                    model(*xs).sum().backward()
+                    model.flag = False
         target = tuner.engine.run.targets[0]
         assert target.direct_calls > 0, "no direct calls: not in the steady state"
         with tuner.step(xs):
+            model(*xs)  # harvest, in this batch, for the training mode
             mode = next(iter(target.table))
             direct = target.table[mode][0]
+            assert (direct.manager is not None) == diff
+            scope = lambda: target.call_scope(xs, {})  # noqa: E731
             found = gc.call_key(xs, {})
             assert found is not None
             key, tensors = found
@@ -88,8 +103,17 @@ def main() -> None:
                 f"TensorGuards.check ({n} tensors)": per_call(
                     lambda: direct.tensors.check(*tensors)
                 ),
-                "Direct.matches (key, reset, global state, tensors)": per_call(
-                    lambda: direct.matches(key, tensors)
+                **(
+                    {
+                        "diff guards (2 entries of the mode; scope dict + check)": per_call(
+                            lambda: direct.manager.diff_guard_root.check(scope())
+                        )
+                    }
+                    if diff
+                    else {}
+                ),
+                "Direct.matches (all of the above but the outside state)": per_call(
+                    lambda: direct.matches(key, tensors, scope)
                 ),
             }
     print(f"torch {torch.__version__}; ns per call, minus an empty call ({empty:.0f} ns)")
