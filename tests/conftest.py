@@ -40,12 +40,18 @@ def pytest_configure(config: pytest.Config) -> None:
 def _clean_dynamo():
     """Every test starts and ends with fresh Dynamo caches and the default stance."""
     torch._dynamo.reset()
+    deterministic = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     cfg = torch._dynamo.config
     saved = {
         "install_free_tensors": cfg.install_free_tensors,
         "use_recursive_dict_tags_for_guards": cfg.use_recursive_dict_tags_for_guards,
     }
     yield
+    # Trainer(deterministic=...) sets this process-wide; a later test must not inherit it.
+    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     torch.compiler.set_stance("default")
     for key, value in saved.items():
         setattr(cfg, key, value)

@@ -31,13 +31,24 @@ if TYPE_CHECKING:
 EAGER = {"backend": "eager"}
 
 
+LEFT_THE_STANCE = ("stance miss", "direct dispatch: no compiled entry")
+"""How a re-arm reason says a call left the stance because no entry fitted it: Dynamo's
+miss under the stance, or turbo's own guard evaluation before it runs one directly."""
+
+
+def left_the_stance(reason: str) -> bool:
+    """Whether a re-arm ``reason`` is a call leaving the stance for want of an entry."""
+    return any(text in reason for text in LEFT_THE_STANCE)
+
+
 def turbo_everywhere() -> bool:
     """With ``GUARDTRAIN_TURBO_EVERYWHERE=1`` (``pytest --turbo-everywhere``), make the preset
     named ``aggressive`` carry turbo's levers, in this process: every test (and subprocess
     script that calls this) that runs ``aggressive`` then runs turbo. Returns whether it did.
 
-    Tests that compare the ``aggressive`` preset with its own table or YAML option skip
-    themselves in that mode (:data:`AGGRESSIVE_IS_TURBO`).
+    A test that is about ``aggressive`` itself (its lookup window, ``use_stance=False``
+    on it) passes ``direct_dispatch=False`` or skips itself in that mode; a test that
+    tells the presets apart reads ``settings.direct_dispatch``, not the name.
     """
     import os
     from types import MappingProxyType

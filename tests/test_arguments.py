@@ -8,6 +8,7 @@ through Hydra are in ``test_hydra.py``, bad models (refused when the run starts)
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import pytest
@@ -185,6 +186,10 @@ def test_mode_with_options_that_contradict_it() -> None:
     assert "mode" not in built
 
 
+@pytest.mark.skipif(
+    os.environ.get("GUARDTRAIN_TURBO_EVERYWHERE", "") not in ("", "0"),
+    reason="aggressive with use_stance=False; with turbo's levers that is refused (tested)",
+)
 def test_explicit_arguments_override_the_preset() -> None:
     cb = GuardTuneCallback(
         "aggressive", use_stance=False, warmup_steps=5, guard_filter="skip_globals"

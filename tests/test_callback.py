@@ -17,6 +17,7 @@ from helpers import (
     compare,
     fit,
     guard,
+    left_the_stance,
     loaders,
     make_trainer,
 )
@@ -157,7 +158,12 @@ class Autocast(TinyModule):
 def test_autocast_switched_on_mid_run() -> None:
     cb, _ = compare(Autocast, lambda: guard(), max_epochs=3)
     s = cb.summary()
-    assert any("stance miss" in r["reason"] for r in s["rearms"]), s["rearms"]
+    # An entry was compiled for autocast (no call ran an entry compiled without it).
+    assert any(mode[3] for t in cb.engine.kept for mode in t.c.modes), s["compile_events"]
+    if not cb.settings.direct_dispatch:
+        # Under the stance the first autocast call of a short batch misses: Dynamo's own
+        # miss. Turbo evaluates the entries' guards first, and a dynamic entry may accept.
+        assert any(left_the_stance(r["reason"]) for r in s["rearms"]), s["rearms"]
     assert s["steady_steps"] > 0
 
 
@@ -474,7 +480,9 @@ def test_lookup_is_measured_and_logged(tmp_path: Any) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
     logger = CSVLogger(tmp_path, name="run")
-    cb = guard()
+    # The window profiles Dynamo's entry path, which turbo's direct calls skip
+    # (test_turbo.py checks that turbo reports no figure).
+    cb = guard(direct_dispatch=False)
     compare(TinyModule, lambda: cb, logger=logger)  # measuring changes no result
     logger.save()
     lookup = cb.summary()["lookup_us"]

@@ -48,6 +48,7 @@ SAMPLES: dict[str, list[tuple[str, Any]]] = {
     "install_free_tensors": [("false", False)],
     "recursive_dict_tags": [("false", False)],
     "use_stance": [("false", False)],
+    "direct_dispatch": [("true", True)],
     "unsafe_drop_floor": [("true", True)],
     "log_metrics": [("false", False)],
     "audit_every": [("null", None)],

@@ -246,7 +246,10 @@ def test_ddp_rank_local_batch_shape_change(runs: Runner) -> None:
     r0, r1 = run.rank(0), run.rank(1)
     assert r0["global_step"] == r1["global_step"] == 40
     steps = {r["step"]: r["reason"] for r in own_rearms(r1)}
-    assert "stance miss" in steps.get(13, ""), own_rearms(r1)
+    # Dynamo's miss under the stance, or (turbo) its own guard evaluation, before the call.
+    assert any(t in steps.get(13, "") for t in ("stance miss", "direct dispatch: no compiled")), (
+        own_rearms(r1)
+    )
     assert 21 not in steps, own_rearms(r1)
     assert own_rearms(r0) == [], "rank 0 saw no change and must not re-arm"
     # Rank 1 was in the stance at step 13 (or the check proved nothing), left it, came back.

@@ -317,7 +317,7 @@ def test_hooks_dynamo_inlines_keep_their_guard_from_then_on(preset: str) -> None
     s = cb.summary()
     rearms = {r["step"]: r["reason"] for r in s["rearms"]}
     assert "saved-tensor hooks that Dynamo inlines are active" in rearms[16], rearms
-    if preset == "turbo":
+    if cb.settings.direct_dispatch:
         # Turbo evaluates the entries' guards before it runs one directly: the hooks
         # guard rejects the only entry, so the call leaves the stance without a miss.
         assert "direct dispatch: no compiled entry" in rearms[19], rearms

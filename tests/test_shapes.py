@@ -149,7 +149,7 @@ def test_dynamic_padding(make: type, dynamic: bool | None, preset: str) -> None:
     # accepted by an entry; no call reached Dynamo's own miss under the stance.
     assert s["checked_calls"] >= s["checked_batches"]
     assert not any("stance miss" in r["reason"] for r in s["rearms"]), s["rearms"]
-    assert (s["direct_dispatch"]["calls"] > 0) == (preset == "turbo")
+    assert (s["direct_dispatch"]["calls"] > 0) == cb.settings.direct_dispatch
 
 
 @pytest.mark.parametrize("preset", ["aggressive", "turbo"])
