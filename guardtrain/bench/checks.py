@@ -52,33 +52,22 @@ def check_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r = by_key.get((model, config))
             if r is None:
                 continue
+            row: dict[str, Any] = {"model": model, "config": config, "what": what, "bound": bound}
             if what == "matches_eager":
                 value = bool(r["matches_eager"])
-                out.append(
-                    {
-                        "model": model,
-                        "config": config,
-                        "what": what,
-                        "bound": bound,
-                        "value": value,
-                        "met": value is bound,
-                    }
-                )
+                out.append({**row, "value": value, "met": value is bound})
                 continue
-            value = r["ratios"].get(what)
-            if value is None:
+            ratio = r["ratios"].get(what)
+            if ratio is None:
                 continue
-            spread = r.get("ratio_spread", {}).get(what)
+            spread = r.get("ratio_spread", {}).get(what) or {}
             out.append(
                 {
-                    "model": model,
-                    "config": config,
-                    "what": what,
-                    "bound": bound,
-                    "value": value,
-                    "met": value <= bound,
-                    "min": None if spread is None else spread["min"],
-                    "max": None if spread is None else spread["max"],
+                    **row,
+                    "value": ratio,
+                    "met": ratio <= bound,
+                    "min": spread.get("min"),
+                    "max": spread.get("max"),
                 }
             )
     return out
