@@ -16,6 +16,10 @@ logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARN
 
 
 TURBO_EVERYWHERE_ENV = "GUARDTRAIN_TURBO_EVERYWHERE"
+_DETERMINISTIC = (
+    torch.are_deterministic_algorithms_enabled(),
+    torch.is_deterministic_algorithms_warn_only_enabled(),
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -40,18 +44,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def _clean_dynamo():
     """Every test starts and ends with fresh Dynamo caches and the default stance."""
     torch._dynamo.reset()
-    deterministic = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
     cfg = torch._dynamo.config
     saved = {
         "install_free_tensors": cfg.install_free_tensors,
         "use_recursive_dict_tags_for_guards": cfg.use_recursive_dict_tags_for_guards,
     }
     yield
-    # Trainer(deterministic=...) sets this process-wide; a later test must not inherit it.
-    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+    # Trainer(deterministic=True) sets this process-wide, also from a module-scoped
+    # fixture: every test ends with the session's starting value.
+    torch.use_deterministic_algorithms(_DETERMINISTIC[0], warn_only=_DETERMINISTIC[1])
     torch.compiler.set_stance("default")
     for key, value in saved.items():
         setattr(cfg, key, value)
