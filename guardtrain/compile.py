@@ -278,11 +278,18 @@ def _inlined_hooks_active() -> bool:
     hooks = _top_saved_hooks(True)
     if hooks is None:
         return False
+    inlineable = _hooks_inlineable()
+    return True if inlineable is None else bool(inlineable(hooks))
+
+
+@functools.cache
+def _hooks_inlineable() -> Callable[[Any], bool] | None:
+    """AOTAutograd's test of inlineable hooks, imported once (None on another torch)."""
     try:
         from torch._functorch._aot_autograd.utils import saved_tensors_hooks_are_inlineable
     except ImportError:  # pragma: no cover - another torch layout
-        return True
-    return bool(saved_tensors_hooks_are_inlineable(hooks))
+        return None
+    return saved_tensors_hooks_are_inlineable  # type: ignore[no-any-return]
 
 
 _RECORDED = {
@@ -1097,20 +1104,29 @@ class CompiledTarget:
         """The cache entry that Dynamo would choose for this call with full guards (the
         first whose guard manager accepts it, in cache order), as a :class:`Direct`
         for calls like it; None when no entry accepts the call."""
-        c = self.c
-        table = self.table.setdefault(mode, [])
         self.harvests += 1
-        if _cache_entry_list is None:  # turbo is refused on such a torch
+        found = self._accepting_entry(args, kwargs)
+        if found is None:
+            return None
+        entry, entries = found
+        c = self.c
+        several = entries > 1 and c.mode_compiles.get(mode, 0) != 1
+        direct = Direct(entry, c.closure, key, tensors, several=several)
+        self.table.setdefault(mode, []).append(direct)
+        return direct
+
+    def _accepting_entry(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``(entry, number of entries)`` for the first cache entry of the root code whose
+        guard manager accepts a call with these arguments (Dynamo's choice with full
+        guards, in cache order), or None."""
+        if _cache_entry_list is None:
             return None
         scope = self.call_scope(args, kwargs)
-        entries = _cache_entry_list(c.code)
+        entries = _cache_entry_list(self.c.code)
         for entry in entries:
             manager = getattr(entry, "guard_manager", None)
             if manager is not None and manager.check(scope):
-                several = len(entries) > 1 and c.mode_compiles.get(mode, 0) != 1
-                direct = Direct(entry, c.closure, key, tensors, several=several)
-                table.append(direct)
-                return direct
+                return entry, len(entries)
         return None
 
     def cache_entries(self) -> int:
@@ -1125,15 +1141,10 @@ class CompiledTarget:
         specialisation, global state), on the call's arguments: what Dynamo checks
         without the stance. Costs one guard evaluation per entry tried.
         """
-        if _cache_entry_list is None:
+        if self._accepting_entry(args, kwargs) is None:
             return False
-        scope = self.call_scope(args, kwargs)
-        for entry in _cache_entry_list(self.c.code):
-            manager = getattr(entry, "guard_manager", None)
-            if manager is not None and manager.check(scope):
-                self.checks += 1
-                return True
-        return False
+        self.checks += 1
+        return True
 
     # -- state checks ------------------------------------------------------------------------
 
