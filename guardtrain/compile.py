@@ -385,7 +385,6 @@ _guards = torch._C._dynamo.guards
 _eval_frame = torch._dynamo.eval_frame
 _frame_callback: Callable[[], Any] = torch._C._dynamo.eval_frame.get_eval_frame_callback
 _function_modes: Callable[[], int] = torch._C._len_torch_function_stack
-_saved_hooks: Callable[[bool], Any] = torch._C._autograd._top_saved_tensors_default_hooks
 _live_codes: dict[int, Any] | None = getattr(
     getattr(torch._dynamo.utils, "orig_code_map", None), "values", None
 )
@@ -474,7 +473,7 @@ def outside_state_clear() -> bool:
         and stance.backend is None
         and _frame_callback() is None
         and not _function_modes()
-        and _saved_hooks(True) is None
+        and _top_saved_hooks(True) is None
     )
 
 

@@ -122,7 +122,9 @@ def rearm_reasons(cb: Any) -> list[str]:
 # -- what the filter moves, and what it records ----------------------------------------------
 
 
-def test_the_filter_drops_global_identity_and_hooks_guards_and_records_them() -> None:
+def _compiled_with_spy() -> tuple[CompiledTarget, list[tuple[Any, bool]]]:
+    """A :class:`Swapping` target compiled once with aggressive's filter (floor added),
+    and every guard entry the filter saw with its keep decision."""
     flt = filters.with_floor(filters.resolve(PRESETS["aggressive"].guard_filter))
     seen: list[tuple[Any, bool]] = []
 
@@ -137,6 +139,11 @@ def test_the_filter_drops_global_identity_and_hooks_guards_and_records_them() ->
     )
     with torch.no_grad():
         model(torch.randn(4, 8))
+    return target, seen
+
+
+def test_the_filter_drops_global_identity_and_hooks_guards_and_records_them() -> None:
+    target, seen = _compiled_with_spy()
     by_type = {(e.guard_type, e.name): k for e, k in seen}
     # Identity guards on globals: dropped by the filter ...
     moved = [(t, n) for (t, n), k in by_type.items() if n.startswith("G[") and not k]
@@ -385,22 +392,11 @@ def _replace(name: str, scope: dict[str, Any]) -> Any:
 def test_every_moved_global_guard_catches_its_change() -> None:
     """Each recorded global assertion, of every moved guard type, fails when what its
     source reads is replaced, and then the target is stale (rebuilt at the boundary)."""
-    flt = filters.with_floor(filters.resolve(PRESETS["aggressive"].guard_filter))
+    target, seen = _compiled_with_spy()
     types_of: dict[str, set[str]] = {}
-
-    def spy(entries: Any) -> list[bool]:
-        keep = flt(entries)
-        for e, k in zip(entries, keep):
-            if not k and e.name.startswith("G["):
-                types_of.setdefault(e.name, set()).add(e.guard_type)
-        return keep
-
-    model = Swapping()
-    target = CompiledTarget(
-        "", model, EAGER, spy, True, on_compile=lambda *a: None, on_miss=lambda *a: True
-    )
-    with torch.no_grad():
-        model(torch.randn(4, 8))
+    for e, k in seen:
+        if not k and e.name.startswith("G["):
+            types_of.setdefault(e.name, set()).add(e.guard_type)
     recorded = [a for entry in target.assertions for a in entry if a.glob]
     assert len(recorded) >= 10, recorded
     covered: set[str] = set()
