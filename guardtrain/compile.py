@@ -20,6 +20,7 @@ process never sees it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import fnmatch
 import functools
@@ -33,8 +34,10 @@ import torch
 from torch import nn
 from torch.utils import _python_dispatch
 
+from guardtrain import watch as _watch
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError, GuardTrainValueError
 from guardtrain.filters import SAVED_TENSORS_HOOKS, GuardFilter, is_rechecked, keep_all
+from guardtrain.watch import DictVersions
 
 __all__ = [
     "COMPILE_KWARGS",
@@ -259,6 +262,76 @@ def _global_assertions(entry: Any) -> list[Assertion] | None:
     return found
 
 
+def _kept_global_assertions(entries: Sequence[Any], keep: list[bool]) -> list[Assertion]:
+    """What the kept value and identity guards on globals asserted (a global scalar, a
+    function). The stance skips them (H33): guardtrain re-checks them when the version
+    of a namespace they read moves, and leaves the stance when one fails."""
+    found: list[Assertion] = []
+    scope = {"G": _GLOBALS}
+    for entry, kept in zip(entries, keep):
+        if not kept or not entry.is_global or not entry.has_value:
+            continue
+        if is_rechecked(entry) and entry.guard_type != SAVED_TENSORS_HOOKS:
+            # An identity guard kept on a global (a function, a module): as H31 records a
+            # dropped one, but kept, so a change leaves the stance and Dynamo recompiles.
+            moved = _global_assertions(entry) or []
+            found.extend(dataclasses.replace(a, kept=True) for a in moved)
+            continue
+        kind = _RECORDED.get(entry.guard_type)
+        name = entry.name
+        if kind is None or kind == "empty" or not name.startswith("G["):
+            continue
+        value = type(entry.value) if kind == "type" else entry.value
+        if kind == "value" and type(value) not in _PLAIN:
+            continue
+        try:
+            expr = compile(name, "<guard>", "eval")
+        except SyntaxError:
+            continue
+        a = Assertion(name, kind, value, True, expr, global_path(name), glob=True)
+        if a.holds(scope):
+            found.append(a)
+    return found
+
+
+_NAME_PARTS = re.compile(r"\.(\w+)|\[['\"](\w+)['\"]\]")
+
+
+def _attribute_names(entries: Sequence[Any]) -> set[str]:
+    """Every attribute or key name in the guards' sources (``p`` of ``self.drop.p``)."""
+    names: set[str] = set()
+    for entry in entries:
+        for a, b in _NAME_PARTS.findall(entry.name or ""):
+            names.add(a or b)
+    return names
+
+
+@functools.cache
+def _owner_expr(name: str) -> types.CodeType | None:
+    """The expression of the object whose attribute or item ``name`` reads
+    (``bound.__self__.cfg`` for ``bound.__self__.cfg.flag``), compiled; None for a bare
+    name."""
+    if name.endswith("]"):
+        depth, i = 0, len(name) - 1
+        while i >= 0:
+            if name[i] == "]":
+                depth += 1
+            elif name[i] == "[":
+                depth -= 1
+                if depth == 0:
+                    break
+            i -= 1
+        head = name[:i]
+    else:
+        head = name.rpartition(".")[0]
+    if not head:
+        return None
+    try:
+        return compile(head, "<guard owner>", "eval")
+    except SyntaxError:
+        return None
+
+
 _top_saved_hooks: Callable[[bool], Any] = getattr(
     torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None
 )
@@ -366,10 +439,16 @@ def _trampoline_code() -> types.CodeType:
 CompileHook = Callable[["CompiledTarget", str | None], None]
 MissHook = Callable[["CompiledTarget", str], bool]
 SwitchOffHook = Callable[["CompiledTarget", str], None]
+ChangeHook = Callable[["CompiledTarget", str], None]
+"""Called with what changed before a call of a target whose state may have changed:
+the engine checks the target and rebuilds it or leaves the stance (H33)."""
 _INSTALLED = ("forward", "__getstate__")
 _FREEVAR_ERROR = "Freevar has no source"
 _MISS = "no compiled entry accepted the call"
 UNACCEPTED = "no compiled entry's guards accept the call's inputs"
+UNSEEN_ARGUMENTS = "the call's plain arguments are new, and no compiled entry accepts them"
+_NOT_RUN = object()
+"""What a steady call returns when it left the stance instead of running."""
 _SHARED_NAME = "module"
 
 
@@ -396,6 +475,8 @@ the entry (H30)."""
 DIRECT_LIMIT = 8
 """Dispatches kept per mode (input signatures, e.g. a short last batch)."""
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_PLAIN_KINDS = frozenset(_PLAIN)
+_ONE_TENSOR: tuple[Any, ...] = (1, torch.Tensor)
 _Tensor = torch.Tensor
 
 
@@ -435,20 +516,28 @@ def call_key(
     """A call's structure and plain argument values, and its tensors in order; None when
     an argument is something else (a module, a custom object): that call is not
     dispatched directly."""
+    if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
+        return _ONE_TENSOR, [args[0]]  # `net(x)`, the most common call
     key: list[Any] = [len(args)]
     tensors: list[torch.Tensor] = []
     for value in args:
-        if type(value) is _Tensor:  # the common case, without a call
+        kind = type(value)
+        if kind is _Tensor:  # the common cases, without a call
             key.append(_Tensor)
             tensors.append(value)
+        elif kind in _PLAIN_KINDS:
+            key.append((kind, value))
         elif not _walk(value, key, tensors):
             return None
     if kwargs:
         key.append(tuple(kwargs))
         for value in kwargs.values():
-            if type(value) is _Tensor:
+            kind = type(value)
+            if kind is _Tensor:
                 key.append(_Tensor)
                 tensors.append(value)
+            elif kind in _PLAIN_KINDS:
+                key.append((kind, value))
             elif not _walk(value, key, tensors):
                 return None
     n = len(tensors)
@@ -459,6 +548,56 @@ def call_key(
         ids = [id(t) for t in tensors]
         key.append(tuple(ids.index(i) for i in ids))
     return tuple(key), tensors
+
+
+def _walk_sources(value: Any, source: str, into: list[str | None]) -> None:
+    """Name each element :func:`_walk` appends for ``value`` by the guard source that
+    Dynamo gives it (``L['args'][1]``); None for a structure element."""
+    kind = type(value)
+    if kind is torch.Tensor or isinstance(value, torch.Tensor) or kind in _PLAIN:
+        into.append(source)
+    elif kind is tuple or kind is list:
+        into.append(None)
+        for i, v in enumerate(value):
+            _walk_sources(v, f"{source}[{i}]", into)
+    elif kind is dict:
+        into.append(None)
+        for k, v in value.items():
+            _walk_sources(v, f"{source}[{k!r}]", into)
+
+
+def key_sources(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str | None]:
+    """For each element of :func:`call_key`'s key, the guard source of the argument it
+    describes in the trampoline's frame (None for structure): which plain values
+    Dynamo's own stance checks (H32)."""
+    into: list[str | None] = [None]
+    for i, value in enumerate(args):
+        _walk_sources(value, f"L['args'][{i}]", into)
+    if kwargs:
+        into.append(None)
+        for name, value in kwargs.items():
+            _walk_sources(value, f"L['kwargs'][{name!r}]", into)
+    return into
+
+
+_WILD = object()
+"""Stands for a plain value that Dynamo's stance checks itself (see :func:`masked`)."""
+
+
+def masked(key: tuple[Any, ...], delegated: frozenset[int]) -> tuple[Any, ...]:
+    """``key`` with the plain values at ``delegated`` positions replaced by their type."""
+    return tuple((e[0], _WILD) if i in delegated else e for i, e in enumerate(key))
+
+
+def structure(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``key`` without its plain values: what positions in it mean."""
+    return tuple(e[0] if type(e) is tuple and len(e) == 2 and e[0] in _PLAIN else e for e in key)
+
+
+ACCEPT_LIMIT = 64
+"""Argument keys remembered per mode as accepted (:meth:`CompiledTarget.admit`); past it
+the table starts again (an argument that takes a new value every call, and that
+Dynamo's stance does not check itself, is then checked on every call)."""
 
 
 def outside_state_clear() -> bool:
@@ -679,8 +818,17 @@ class TargetCode:
                 continue
             label = user_path(name, member.name, self.shared)
             recorded.append(Assertion(name, kind, value, kept, expr, label))
-        recorded.extend(self._moved(entries, keep, code is not None and code is self.code))
+        own_frame = code is not None and code is self.code
+        recorded.extend(self._moved(entries, keep, own_frame))
+        if own_frame:
+            recorded.extend(_kept_global_assertions(entries, keep))
         self.assertions.append(tuple(recorded))
+        _watch.read_names.update(_attribute_names(entries))
+        for m in self.members:
+            # The entries change: what was accepted or harvested may no longer be what
+            # the stance picks (a compile can happen under the stance, H32).
+            m.forget_dispatch()
+            m.versions.reset(m.read_dicts())
         member.fits = self.generation
         member._on_compile(
             member, None if reason is None else user_path(reason, member.name, self.shared)
@@ -821,6 +969,7 @@ class CompiledTarget:
         on_switch_off: SwitchOffHook | None = None,
         share_with: CompiledTarget | None = None,
         shared: bool = False,
+        on_change: ChangeHook | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -851,6 +1000,31 @@ class CompiledTarget:
         self._on_compile = on_compile
         self._on_miss = on_miss
         self._on_switch_off = on_switch_off
+        self._on_change = on_change
+        self.changed = False
+        """Set by an event (:mod:`guardtrain.watch`): a module in this target was assigned
+        to, or gained or lost a hook; the next call checks the target first (H33, H34)."""
+        self.change_note: str | None = None
+        """What the first event since the last check was."""
+        self.versions = DictVersions()
+        """Global namespaces and plain objects that this target's guards read, with the
+        versions they had at the last compile or check."""
+        self.accepted: dict[Mode, set[tuple[Any, ...]]] = {}
+        """Argument keys (:func:`call_key`) that the stance's own choice of entry was
+        shown to accept, per mode (H32); emptied whenever the entries may change."""
+        self.accepted_masked: dict[Mode, set[tuple[Any, ...]]] = {}
+        """The same with the plain values that Dynamo's stance checks itself masked
+        (:func:`masked`): an int that Dynamo made dynamic (a step counter)."""
+        self.delegated: dict[tuple[Any, ...], frozenset[int]] = {}
+        """Per key :func:`structure`, the positions of plain values in the entries' diff
+        guards, which the stance evaluates on every call."""
+        self.last_key: tuple[Any, ...] | None = None
+        self.last_mode: Mode | None = None
+        self.full_guard_calls = 0
+        self.last_failed: Assertion | None = None
+        """The assertion :meth:`check_assertions` last named, if any."""
+        """Calls under the stance whose arguments no key describes (a module, an object):
+        they ran with full guards."""
         self.calls = 0
         """Calls outside the stance since the last rebuild (a called target with no
         compile ran uncompiled: Dynamo skipped its code)."""
@@ -1014,6 +1188,13 @@ class CompiledTarget:
 
         module.__dict__["forward"] = self._wrapper
         module.__dict__["__getstate__"] = __getstate__
+        self.changed = False
+        self.change_note = None
+        self._watch()
+
+    def _watch(self) -> None:
+        """Events of every module in the target mark it (:mod:`guardtrain.watch`)."""
+        _watch.watch(self, self.module.modules())
 
     # -- compiling ---------------------------------------------------------------------------
 
@@ -1076,9 +1257,90 @@ class CompiledTarget:
             self.forget_dispatch()
 
     def forget_dispatch(self) -> None:
-        """Empty the dispatch table: later calls harvest again from real calls."""
+        """Empty the dispatch table and the accepted argument keys: later calls harvest
+        and are checked again, from real calls (the entries may have changed)."""
         self.table = {}
         self.harvests = 0
+        self.accepted = {}
+        self.accepted_masked = {}
+        self.delegated = {}
+        self.last_key = None
+        self.last_mode = None
+
+    # -- arguments under the stance (H32) ---------------------------------------------------
+
+    def admit(
+        self, mode: Mode, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> bool:
+        """Whether a call whose argument key differs from the last call's may run under
+        the stance: its key (or its key with the values the stance checks itself masked)
+        was accepted before, or the entry the stance would pick accepts it with full
+        guards now. The stance evaluates only the guards that tell entries apart, so a
+        plain argument (an int, a flag, ``None`` for a tensor, a keyword) that no entry
+        was compiled against otherwise runs a stale entry."""
+        accepted = self.accepted.setdefault(mode, set())
+        if key in accepted:
+            self.last_key, self.last_mode = key, mode
+            return True
+        shape = structure(key)
+        delegated = self.delegated.get(shape)
+        seen_masked = self.accepted_masked.setdefault(mode, set())
+        if delegated and masked(key, delegated) in seen_masked:
+            self.last_key, self.last_mode = key, mode
+            return True
+        manager = self._stance_choice(args, kwargs)
+        if manager is None:
+            return False
+        if len(accepted) >= ACCEPT_LIMIT:
+            accepted.clear()
+            seen_masked.clear()
+        accepted.add(key)
+        if delegated is None:
+            sources = getattr(manager, "diff_guard_sources", None) or ()
+            delegated = frozenset(
+                i
+                for i, source in enumerate(key_sources(args, kwargs))
+                if source is not None
+                and source in sources
+                and i < len(key)
+                and type(key[i]) is tuple
+            )
+            self.delegated[shape] = delegated
+        if delegated:
+            seen_masked.add(masked(key, delegated))
+        self.last_key, self.last_mode = key, mode
+        return True
+
+    def _stance_choice(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The guard manager of the entry the stance would run for this call, if its full
+        guards accept the call; else None.
+
+        The stance runs the first entry (in cache order) whose *diff* guards pass; when
+        that entry's full guards pass too, it is the entry Dynamo would pick with full
+        guards (every earlier entry fails a diff guard, which is one of its guards).
+        """
+        if _cache_entry_list is None:
+            return None
+        scope = self.call_scope(args, kwargs)
+        for entry in _cache_entry_list(self.c.code):
+            manager = getattr(entry, "guard_manager", None)
+            if manager is None:
+                continue
+            diff = getattr(manager, "diff_guard_root", None)
+            if diff is None or diff.check(scope):
+                return manager if manager.check(scope) else None
+        return None
+
+    def with_full_guards(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one call with Dynamo's full guards although the stance is on (its arguments
+        hold something no key describes): the stance is lifted around this call only."""
+        self.full_guard_calls += 1
+        stance = _eval_frame._stance
+        _eval_frame._stance = dataclasses.replace(stance, skip_guard_eval_unsafe=False)
+        try:
+            return self._guarded(args, kwargs)
+        finally:
+            _eval_frame._stance = stance
 
     def call_scope(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The trampoline frame's locals for a call: what its guard managers read."""
@@ -1140,7 +1402,7 @@ class CompiledTarget:
         specialisation, global state), on the call's arguments: what Dynamo checks
         without the stance. Costs one guard evaluation per entry tried.
         """
-        if self._accepting_entry(args, kwargs) is None:
+        if self._stance_choice(args, kwargs) is None:
             return False
         self.checks += 1
         return True
@@ -1152,6 +1414,26 @@ class CompiledTarget:
             return {_SHARED_NAME: self.module, "G": _GLOBALS}
         return {_CLOSURE_NAME: self._bound, "G": _GLOBALS}
 
+    def read_dicts(self) -> list[dict[Any, Any]]:
+        """The namespaces and plain objects' ``__dict__`` that hold what this target's
+        assertions read (a global, a config object's field); modules are not among
+        them (:mod:`guardtrain.watch` tracks those by events)."""
+        scope = self.scope()
+        found: list[dict[Any, Any]] = []
+        for entry in self.c.assertions:
+            for a in entry:
+                owner = _owner_expr(a.name)
+                if owner is None:
+                    continue
+                try:
+                    obj = eval(owner, {}, scope)
+                except Exception:
+                    continue
+                d = _watch.owner_dict(obj)
+                if d is not None and d is not scope:
+                    found.append(d)
+        return found
+
     def check_assertions(self, globals_too: bool = True) -> tuple[str | None, str | None]:
         """Re-check what this target's guards asserted.
 
@@ -1162,9 +1444,19 @@ class CompiledTarget:
         recompile by itself, with full guards. ``globals_too=False`` leaves out the
         dropped identity guards on globals (H31), which hold for every member alike.
         """
+        self.last_failed = None
         if not self.assertions:
             return None, None
         scope = self.scope()
+        if globals_too:
+            # A dropped identity guard on a global holds for every entry alike (H31):
+            # checked first, so that a kept assertion failing on the same swap (a value
+            # read through the swapped module) cannot hide it.
+            for entry in self.assertions:
+                for a in entry:
+                    if a.glob and not a.kept and not a.holds(scope):
+                        self.last_failed = a
+                        return a.describe(scope, self.name), None
         any_kept = False
         for entry in self.assertions:
             if not all(a.holds(scope) for a in entry if a.kept):
@@ -1172,6 +1464,7 @@ class CompiledTarget:
             any_kept = True
             for a in entry:
                 if not a.kept and (globals_too or not a.glob) and not a.holds(scope):
+                    self.last_failed = a
                     return a.describe(scope, self.name), None
         if any_kept:
             return None, None
@@ -1183,6 +1476,7 @@ class CompiledTarget:
             if failing and (best is None or len(failing) < len(best)):
                 best = failing
         if best:
+            self.last_failed = best[0]
             return None, best[0].describe(scope, self.name)
         return None, "no compiled entry matches the module's state"
 
@@ -1216,106 +1510,158 @@ class CompiledTarget:
 
     # -- installing --------------------------------------------------------------------------
 
+    def check_changed(self, note: str | None = None) -> None:
+        """Before a call: something this target reads may have changed (an event, or a
+        namespace whose version moved). The engine checks and acts (rebuilds the target or
+        leaves the stance); then the versions and the watched modules start again."""
+        note = note or self.change_note or "a watched module changed"
+        self.changed = False
+        self.change_note = None
+        if self._on_change is not None:
+            self._on_change(self, note)
+        self.versions.reset()
+        if self.installed:
+            self._watch()
+
+    def _steady(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call under the stance; :data:`_NOT_RUN` when it left the stance instead (the
+        caller then runs it with full guards)."""
+        c, module = self.c, self.module
+        mode = (module.training, is_grad_enabled(), is_inference(), any_autocast())
+        if mode not in c.fast_modes:
+            # The stance could pick an entry compiled for another mode.
+            self._on_miss(self, _describe_mode(mode, mode in c.modes))
+            return _NOT_RUN
+        found = call_key(args, kwargs)
+        if found is None:
+            return self.with_full_guards(args, kwargs)  # no key describes the arguments
+        key, tensors = found
+        if (key != self.last_key or mode != self.last_mode) and not self.admit(
+            mode, key, args, kwargs
+        ):
+            if (self.last_key is not None and key != self.last_key) or any(
+                type(e) is tuple for e in key
+            ):
+                reason = UNSEEN_ARGUMENTS  # plain values, None, keywords or structure
+            else:
+                reason = UNACCEPTED if self.direct else _MISS  # only tensors: new inputs
+            self._on_miss(self, reason)
+            return _NOT_RUN
+        if self.direct and outside_state_clear():
+            # Turbo (H30): the entry Dynamo chose for a call like this one, run below
+            # Dynamo's entry path once guardtrain's own checks pass.
+            direct = self._direct_entry(mode, key, tensors, args, kwargs)
+            if direct is not None:
+                self.direct_calls += 1
+                if self.checking:
+                    self.checks += 1
+                if c.shared:
+                    return direct.fn(module, *args, **kwargs)
+                return direct.fn(*args, **kwargs)
+            if not self.fast:
+                return _NOT_RUN
+        if self.checking and not self.accepts(args, kwargs):
+            # Unseen inputs (H26): no entry's guards accept them, so the stance would
+            # run an entry compiled for other shapes.
+            self._on_miss(self, UNACCEPTED)
+            return _NOT_RUN
+        try:
+            return self.compiled(*args, **kwargs)
+        except RuntimeError as err:
+            if not (is_stance_miss(err) and self._on_miss(self, _MISS)):
+                raise
+            if self.retry_eagerly:
+                return self._bound(*args, **kwargs)
+        return _NOT_RUN
+
+    def _direct_entry(
+        self,
+        mode: Mode,
+        key: tuple[Any, ...],
+        tensors: list[torch.Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Direct | None:
+        """The harvested entry for this call, harvesting one if allowed; None when the
+        call takes the stance's path (or left the stance: no entry accepts it)."""
+        for direct in self.table.get(mode, ()):
+            if direct.matches(key, tensors, lambda: self.call_scope(args, kwargs)):
+                return direct
+        if not self.may_harvest(mode) or dispatch_mode_active():
+            return None
+        direct = self.harvest(mode, key, tensors, args, kwargs)
+        if direct is None:
+            # No entry's guards accept the call: the stance would run one compiled for
+            # other inputs (H26).
+            self._on_miss(self, UNACCEPTED)
+        return direct
+
+    def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call with Dynamo's guards (outside the stance): may trace, so
+        ``install_free_tensors`` is set around it where this target uses it."""
+        if dispatch_mode_active():
+            # Dynamo would skip the frame and mark our code skipped for good
+            # (ModelSummary's FLOP count, H18): run this call eagerly instead.
+            return self._bound(*args, **kwargs)
+        self.calls += 1
+        c = self.c
+        c.current = self
+        if not c.install_free_tensors:
+            return self.compiled(*args, **kwargs)
+        cfg = torch._dynamo.config
+        previous = cfg.install_free_tensors
+        cfg.install_free_tensors = True
+        compiles = self.compiles
+        callbacks = _callback_handler()
+        only_the_trampoline = self._only_the_trampoline
+        if callbacks is not None:
+            callbacks.register_start_callback(only_the_trampoline)
+        try:
+            return self.compiled(*args, **kwargs)
+        except AssertionError as err:
+            if _FREEVAR_ERROR not in str(err) or self.graph_breaks or self.compiles != compiles:
+                raise
+            # A nested compile region the static scan did not see (H23). No frame
+            # compiled in this call, so the error came from tracing the first
+            # frame, before any of the forward ran: compile again without it.
+            self._free_tensors_off(
+                "Dynamo cannot trace a nested compile region with install_free_tensors "
+                f"(H23: {_FREEVAR_ERROR})"
+            )
+            self.rebuild()
+        finally:
+            if callbacks is not None:
+                callbacks.remove_start_callback(only_the_trampoline)
+            cfg.install_free_tensors = previous
+        return self.compiled(*args, **kwargs)
+
+    def _only_the_trampoline(self, _: Any) -> None:
+        # Only the trampoline's own frame may trace with free tensors: a frame Dynamo
+        # compiles after a graph break in the same call is code that other instances
+        # share (the class's `forward` or its resume functions, H12).
+        torch._dynamo.config.install_free_tensors = _compiling_frame()[0] is self.c.code
+
     def _make_wrapper(self) -> Callable[..., Any]:
         target = self
-        cfg = torch._dynamo.config
-
-        module = self.module
-
-        def only_the_trampoline(_: Any) -> None:
-            # Only the trampoline's own frame may trace with free tensors: a frame
-            # Dynamo compiles after a graph break in the same call is code that other
-            # instances share (the class's `forward` or its resume functions, H12).
-            cfg.install_free_tensors = _compiling_frame()[0] is target.c.code
 
         @functools.wraps(self._func)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            c = target.c
-            if target.fits != c.generation:
+            if target.fits != target.c.generation:
                 target._fit()  # the code compiled since: does it still fit this instance?
-                c = target.c
             if _top_saved_hooks(True) is not None:
                 target._saved_hooks_seen()  # saved-tensor hooks at this call (H31)
-                c = target.c
+            if target.changed:
+                target.check_changed()  # an event: a module in it changed (H33, H34)
             if target.fast:
-                mode = (module.training, is_grad_enabled(), is_inference(), any_autocast())
-                direct = None
-                if mode not in c.fast_modes:
-                    # The stance could pick an entry compiled for another mode.
-                    target._on_miss(target, _describe_mode(mode, mode in c.modes))
-                elif target.direct and (found := call_key(args, kwargs)) is not None:
-                    # Turbo (H30): the entry Dynamo chose for a call like this one, run
-                    # below Dynamo's entry path once guardtrain's own checks pass.
-                    key, tensors = found
-                    if outside_state_clear():
-                        for direct in target.table.get(mode, ()):
-                            if direct.matches(
-                                key, tensors, lambda: target.call_scope(args, kwargs)
-                            ):
-                                break
-                        else:
-                            direct = None
-                            if target.may_harvest(mode) and not dispatch_mode_active():
-                                direct = target.harvest(mode, key, tensors, args, kwargs)
-                                if direct is None:
-                                    # No entry's guards accept the call: the stance would
-                                    # run one compiled for other inputs (H26).
-                                    target._on_miss(target, UNACCEPTED)
-                    if direct is not None:
-                        target.direct_calls += 1
-                        if target.checking:
-                            target.checks += 1
-                        if c.shared:
-                            return direct.fn(module, *args, **kwargs)
-                        return direct.fn(*args, **kwargs)
-                if target.fast and target.checking and not target.accepts(args, kwargs):
-                    # Unseen inputs (H26): no entry's guards accept them, so the
-                    # stance would run an entry compiled for other shapes.
-                    target._on_miss(target, UNACCEPTED)
-                elif target.fast:
-                    try:
-                        return target.compiled(*args, **kwargs)
-                    except RuntimeError as err:
-                        if not (is_stance_miss(err) and target._on_miss(target, _MISS)):
-                            raise
-                        if target.retry_eagerly:
-                            return target._bound(*args, **kwargs)
-            if dispatch_mode_active():
-                # Dynamo would skip the frame and mark our code skipped for good
-                # (ModelSummary's FLOP count, H18): run this call eagerly instead.
-                return target._bound(*args, **kwargs)
-            target.calls += 1
-            c.current = target
-            if not c.install_free_tensors:
-                return target.compiled(*args, **kwargs)
-            previous = cfg.install_free_tensors
-            cfg.install_free_tensors = True
-            compiles = target.compiles
-            callbacks = _callback_handler()
-            if callbacks is not None:
-                callbacks.register_start_callback(only_the_trampoline)
-            try:
-                return target.compiled(*args, **kwargs)
-            except AssertionError as err:
-                if (
-                    _FREEVAR_ERROR not in str(err)
-                    or target.graph_breaks
-                    or target.compiles != compiles
-                ):
-                    raise
-                # A nested compile region the static scan did not see (H23). No frame
-                # compiled in this call, so the error came from tracing the first
-                # frame, before any of the forward ran: compile again without it.
-                target._free_tensors_off(
-                    "Dynamo cannot trace a nested compile region with install_free_tensors "
-                    f"(H23: {_FREEVAR_ERROR})"
-                )
-                target.rebuild()
-            finally:
-                if callbacks is not None:
-                    callbacks.remove_start_callback(only_the_trampoline)
-                cfg.install_free_tensors = previous
-            return target.compiled(*args, **kwargs)
+                if target.versions.moved():
+                    target.check_changed("a global or an object its guards read was written")
+                if target.fast:
+                    out = target._steady(args, kwargs)
+                    if out is not _NOT_RUN:
+                        return out
+            elif target.c.drops_guards and target.versions.moved():
+                target.check_changed("a global or an object its guards read was written")
+            return target._guarded(args, kwargs)
 
         forward.__wrapped__ = self._bound  # type: ignore[attr-defined]
         forward._guardtrain_target = self  # type: ignore[attr-defined]
@@ -1389,6 +1735,7 @@ class CompiledTarget:
             else:
                 self.module.__dict__[key] = value
         self._previous = {}
+        _watch.unwatch(self)
         self.set_fast(False)
 
 

@@ -10,15 +10,19 @@ combined with :func:`soundness_floor` (:func:`with_floor`), which keeps the
 guards whose loss cannot be repaired by a re-check between batches:
 
 * global state: grad mode, autocast and other global flags, torch-function
-  state, default device, deterministic algorithms;
+  state, default device, deterministic algorithms, functorch's transforms
+  (``grad``, ``vmap``) and forward-AD's dual level, as the installed torch names
+  them (:data:`FLOOR_GUARD_TYPES`);
+* the guards that decide whether code creates state (``hasattr`` on a module,
+  a key's presence; H39);
 * the shape environment (symbolic shapes);
 * every guard on the inputs of the compiled frame (tensor metadata of the
   arguments, the structure of containers passed in);
 * ``.training`` flags of modules, so ``eval()`` recompiles;
 * the values of bool, int, float and str attributes that the compiled code
   reads (H19), so a changed scalar recompiles instead of running a stale
-  constant. Under the stance these are skipped like every other guard; the
-  boundary re-check and audits catch a change made there.
+  constant. Under the stance these are skipped like every other guard;
+  guardtrain's change tracking sees the assignment before the next call (H33).
 
 The saved-tensor-hooks guard is not in the floor: every compiled call checks
 for active saved-tensor hooks in guardtrain's wrapper instead (H31).
@@ -38,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, Union
 
@@ -53,6 +58,8 @@ __all__ = [
     "GuardFilter",
     "NAMED_FILTERS",
     "FLOOR_GUARD_TYPES",
+    "GLOBAL_STATE_GUARD_TYPES",
+    "STATE_CREATION_GUARD_TYPES",
     "GLOBAL_IDENTITY_GUARD_TYPES",
     "SAVED_TENSORS_HOOKS",
     "is_rechecked",
@@ -66,18 +73,48 @@ __all__ = [
     "available",
 ]
 
-#: Guard types of global state. Their entries have no name and no value.
-FLOOR_GUARD_TYPES = frozenset(
-    {
-        "GRAD_MODE",
-        "GLOBAL_STATE",
-        "TORCH_FUNCTION_STATE",
-        "TORCH_FUNCTION_MODE_STACK",
-        "DEFAULT_DEVICE",
-        "SHAPE_ENV",
-        "DETERMINISTIC_ALGORITHMS",
-    }
+#: Guard types of global state that some torch version defines (``GuardBuilder``'s
+#: methods): the floor keeps those of them that the installed torch has.
+GLOBAL_STATE_GUARD_TYPES = (
+    "GRAD_MODE",
+    "GLOBAL_STATE",
+    "TORCH_FUNCTION_STATE",
+    "DEFAULT_DEVICE",
+    "SHAPE_ENV",
+    "DETERMINISTIC_ALGORITHMS",
+    "FUNCTORCH_STACK_MATCH",
+    "DUAL_LEVEL",
+    "FSDP_TRAINING_STATE",
 )
+
+
+@functools.cache
+def floor_guard_types() -> frozenset[str]:
+    """Guard types of global state in the installed torch (grad mode, autocast and the
+    other global flags, torch-function state, default device, the shape environment,
+    deterministic algorithms, functorch's transform stack, forward-AD's dual level):
+    the names of :data:`GLOBAL_STATE_GUARD_TYPES` that its ``GuardBuilder`` defines.
+    Also ``filters.FLOOR_GUARD_TYPES``; read on first use (``import guardtrain`` does not
+    import torch)."""
+    try:
+        from torch._dynamo.guards import GuardBuilder
+    except ImportError:  # pragma: no cover - another torch layout: keep every name
+        return frozenset(GLOBAL_STATE_GUARD_TYPES)
+    return frozenset(
+        n for n in GLOBAL_STATE_GUARD_TYPES if callable(getattr(GuardBuilder, n, None))
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FLOOR_GUARD_TYPES":
+        return floor_guard_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: Guards that decide whether compiled code creates state: ``hasattr(self, "_buf")``
+#: before a buffer is made on the first call (litgpt's LoRA, H39), or a key's presence.
+#: Dropped, the code traced on the first call would create it again on every call.
+STATE_CREATION_GUARD_TYPES = frozenset({"HASATTR", "DICT_CONTAINS", "DICT_NOT_CONTAINS"})
 
 #: Identity guards that guardtrain re-checks at loop boundaries and audits when
 #: they are on globals (``G[...]``: imported modules, functions, builtins, classes,
@@ -156,7 +193,9 @@ _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
 
 
 def _floor_keeps(entry: GuardFilterEntry) -> bool:
-    if entry.guard_type in FLOOR_GUARD_TYPES:
+    if entry.guard_type in floor_guard_types():
+        return True
+    if entry.guard_type in STATE_CREATION_GUARD_TYPES and not entry.is_global:
         return True
     if entry.name.endswith(".training"):
         return True

@@ -182,7 +182,13 @@ def changed_under_the_stance(
 
 
 def assert_caught(
-    cb: Any, spy: PhaseSpy, kind: str, at: int, catch: int, audit_batch: bool = False
+    cb: Any,
+    spy: PhaseSpy,
+    kind: str,
+    at: int,
+    catch: int,
+    audit_batch: bool = False,
+    mid_batch: bool = False,
 ) -> None:
     """One re-arm and one recompile, both at step ``catch`` and naming the attribute."""
     name = CHANGES[kind][0]
@@ -201,28 +207,30 @@ def assert_caught(
     # Steady from step 3; the changed value ran under the stance until the catch. An
     # audit batch runs with full guards in the steady phase and re-arms at its end.
     assert set(spy.phases[3:catch]) == {"steady"}, spy.phases
-    rewarm = catch + 1 if audit_batch else catch
+    # Caught before a call (mid_batch): the batch began under the stance, as a spy sees it.
+    rewarm = catch + 1 if audit_batch or mid_batch else catch
     assert spy.phases[catch:rewarm] == ["steady"] * (rewarm - catch), spy.phases
     assert spy.phases[rewarm : catch + 3] == ["warmup"] * (catch + 3 - rewarm), spy.phases
     assert set(spy.phases[catch + 3 :]) == {"steady"}, spy.phases
 
 
+@pytest.mark.parametrize("audit_every", [4, None], ids=["audits", "no-audits"])
 @pytest.mark.parametrize("kind", list(CHANGES))
 @pytest.mark.parametrize("preset", STANCE_PRESETS)
-def test_a_scalar_first_changed_under_the_stance_is_caught_at_the_next_audit(
-    preset: str, kind: str
+def test_a_scalar_first_changed_under_the_stance_is_caught_before_the_next_call(
+    preset: str, kind: str, audit_every: int | None
 ) -> None:
-    """Changed at step 10 (epoch 1, third batch), under the stance; audits every 4 batches.
+    """Changed at step 10 (epoch 1, third batch), under the stance, with or without audits.
 
-    The audit at step 12 re-checks the recorded guards, finds the kept value
-    guard failing and leaves the stance; batch 12 recompiles with full guards.
-    What a user sees (the documented limit): batches 10 and 11 run the code
-    compiled for the old value, a stale constant (their losses differ from
-    eager's); every batch equals an eager run in which batches 10 and 11 saw
-    the old value, so from batch 12 on the new value is used.
+    The assignment marks the target (H33); before the step's call guardtrain
+    re-checks the recorded guards, finds the kept value guard failing and leaves
+    the stance, so the call recompiles with full guards: every batch equals eager.
     """
-    cb, spy = changed_under_the_stance(preset, kind, at=10, catch=12, audit_every=4, **NO_VAL)
-    assert_caught(cb, spy, kind, at=10, catch=12)
+    cb, spy = changed_under_the_stance(
+        preset, kind, at=10, catch=10, audit_every=audit_every, **NO_VAL
+    )
+    assert_caught(cb, spy, kind, at=10, catch=10, mid_batch=True)
+    assert cb.summary()["caught_changes"]["module_state"]["count"] == 1
 
 
 @pytest.mark.parametrize("preset", STANCE_PRESETS)
@@ -236,65 +244,33 @@ def test_a_scalar_changed_in_an_audit_batch_runs_the_new_value_at_once(preset: s
     assert_caught(cb, spy, "float", at=12, catch=12, audit_batch=True)
 
 
-@pytest.mark.parametrize("kind", list(CHANGES))
 @pytest.mark.parametrize("preset", STANCE_PRESETS)
-def test_a_scalar_first_changed_under_the_stance_without_audits_is_caught_at_the_epoch_boundary(
-    preset: str, kind: str
-) -> None:
-    """Changed at step 10 with ``audit_every=None``: caught at step 16, epoch 2's first batch.
-
-    The boundary re-check finds the kept value guard failing and leaves the
-    stance. What a user sees: batches 10 to 15, the rest of epoch 1, run the
-    old value (a stale constant); from batch 16 on the new value is used, and
-    the run equals eager with batches 10 to 15 seeing the old value.
-    """
-    cb, spy = changed_under_the_stance(preset, kind, at=10, catch=16, audit_every=None, **NO_VAL)
-    assert_caught(cb, spy, kind, at=10, catch=16)
-
-
-@pytest.mark.parametrize("preset", STANCE_PRESETS)
-def test_with_validation_a_scalar_changed_under_the_stance_is_caught_at_the_epoch_boundary(
+def test_with_validation_a_scalar_changed_under_the_stance_is_caught_before_the_next_call(
     preset: str,
 ) -> None:
-    """As above, with a validation pass after each epoch (validation is not steady yet).
-
-    Epoch 1's validation (at step 16) runs with full guards and compiles for the
-    new value: its losses equal eager's. Training leaves the stance at its next
-    boundary, step 16; batches 10 to 15 ran the stale constant.
-    """
-    cb, spy = changed_under_the_stance(preset, "float", at=10, catch=16, audit_every=None)
+    """As above, with a validation pass after each epoch: the training call at step 10
+    leaves the stance and recompiles; every training and validation loss equals eager's."""
+    cb, spy = changed_under_the_stance(preset, "float", at=10, catch=10, audit_every=None)
     s = cb.summary()
-    assert [(r["step"], r["loop"]) for r in s["rearms"]] == [(16, "train")], s["rearms"]
-    assert set(spy.phases[3:16]) == {"steady"}, spy.phases
-    assert spy.phases[16:19] == ["warmup"] * 3, spy.phases
-    assert set(spy.phases[19:]) == {"steady"}, spy.phases
+    assert [(r["step"], r["loop"]) for r in s["rearms"]] == [(10, "train")], s["rearms"]
+    assert set(spy.phases[3:11]) == {"steady"}, spy.phases  # batch 10 began under it
+    assert spy.phases[11:13] == ["warmup"] * 2, spy.phases
 
 
 def test_with_validation_the_rearm_names_the_changed_scalar() -> None:
     """With a validation entry too, the re-arm names the scalar, not `.training`."""
-    cb, _ = changed_under_the_stance("aggressive", "float", at=10, catch=16, audit_every=None)
+    cb, _ = changed_under_the_stance("aggressive", "float", at=10, catch=10, audit_every=None)
     (rearm,) = cb.summary()["rearms"]
     assert rearm["reason"] == "<LightningModule>: self.temperature: 1.0 -> 2.0", rearm
 
 
 @pytest.mark.parametrize("preset", STANCE_PRESETS)
-def test_a_scalar_changed_in_the_last_epoch_is_caught_at_the_validation_boundary(
+def test_a_scalar_changed_in_the_last_epoch_is_caught_before_the_next_call(
     preset: str,
 ) -> None:
-    """Changed at step 18 (epoch 2), no audits: validation, steady by then, catches it.
-
-    Training batches 18 to 23 run the stale constant (no training boundary
-    follows); epoch 2's validation re-checks the guards at its first batch,
-    leaves the stance and compiles for the new value: its losses equal eager's.
-    """
-    cb, spy = changed_under_the_stance(preset, "float", at=18, catch=24, audit_every=None)
+    """Changed at step 18 (epoch 2), no audits and no training boundary after it: the
+    call at step 18 leaves the stance and recompiles; everything equals eager."""
+    cb, _ = changed_under_the_stance(preset, "float", at=18, catch=18, audit_every=None)
     s = cb.summary()
-    assert s["rearms"] == [
-        {
-            "step": 24,
-            "loop": "validate",
-            "reason": "<LightningModule>: self.temperature: 1.0 -> 2.0",
-        }
-    ], s["rearms"]
-    assert [e["step"] for e in s["compile_events"]][-1] == 24, s["compile_events"]
-    assert set(spy.phases[3:]) == {"steady"}, spy.phases
+    assert [(r["step"], r["loop"]) for r in s["rearms"]][0] == (18, "train"), s["rearms"]
+    assert s["rearms"][0]["reason"] == "<LightningModule>: self.temperature: 1.0 -> 2.0"

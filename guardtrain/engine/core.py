@@ -27,6 +27,7 @@ from torch import nn
 from guardtrain import filters as _filters
 from guardtrain.compile import (
     UNACCEPTED,
+    UNSEEN_ARGUMENTS,
     CompiledTarget,
     TakeOver,
     direct_supported,
@@ -36,6 +37,7 @@ from guardtrain.compile import (
 )
 from guardtrain.engine import breaks as _breaks
 from guardtrain.engine import decisions, report, warmstart
+from guardtrain.engine.changes import Action, Change, ChangeLog, decide
 from guardtrain.engine.agreement import RankAgreement, SingleProcess
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
 from guardtrain.engine.phases import Loop, Phase, PhaseMachine
@@ -153,6 +155,12 @@ class RunState:
     """Targets refused direct dispatch, and why."""
     direct_calls: int = 0
     """Calls run directly by targets that are no longer in the run (split, replaced)."""
+    caught: ChangeLog = field(default_factory=ChangeLog)
+    """Changes caught before a call (H32-H35), by kind."""
+    full_guard_calls: int = 0
+    """Calls with full guards under the stance by targets no longer in the run."""
+    stance_at_start: bool = False
+    """The stance was on when the current training batch started."""
     audit_batch: bool = False
     verify_batch: bool = False
     active: bool = False
@@ -245,6 +253,8 @@ class GuardEngine:
                 {"target": self._label(t), "why": t.own_code} for t in self.kept if t.own_code
             ],
             "direct_dispatch": self._direct_summary(),
+            "caught_changes": run.caught.summary(),
+            "full_guard_calls": run.full_guard_calls + sum(t.full_guard_calls for t in self.kept),
             "checked_batches": run.checked_batches + r.get("checked_batches", 0),
             "checked_calls": run.checked_calls + r.get("checked_calls", 0),
             "graph_breaks": [dict(b) for b in run.graph_breaks],
@@ -522,6 +532,7 @@ class GuardEngine:
                     on_switch_off=self._on_switch_off,
                     share_with=made[leader] if leader is not None and leader != i else None,
                     shared=leader == i,
+                    on_change=self._on_change,
                 )
             )
             made[-1].retry_eagerly = self._paired()
@@ -659,7 +670,39 @@ class GuardEngine:
             self.run.checked_calls += target.checks
             target.checks = 0
 
+    def _caught(self, kind: Change, reason: str) -> None:
+        """Count a change caught before a call; log the first of each kind."""
+        if self.run.caught.add(kind, reason):
+            self.host.info(f"guardtrain: caught a change of {kind.value} before a call: {reason}")
+
+    def _on_change(self, target: CompiledTarget, note: str) -> None:
+        """Before a call of ``target``: ``note`` says something it reads may have changed."""
+        run = self.run
+        if not run.active:
+            return
+        if self._paired():
+            # A rebuild or a miss on one rank alone would break the pairing of guard
+            # collectives: the next batch's boundary check acts on every rank together.
+            run.pending.add(run.loop or TRAIN)
+            return
+        found = decide(target, target.fast)
+        if found is None:
+            return
+        action, kind, reason = found
+        self._caught(kind, f"{self._label(target)}: {reason} ({note})")
+        if action is Action.LEAVE:
+            self._stop_checking()
+            self._rearm(run.loop, f"{self._label(target)}: {reason}")
+        else:
+            self._rebuild_or_leave_shared(target, reason)
+
     def _on_miss(self, target: CompiledTarget, reason: str) -> bool:
+        if reason is UNSEEN_ARGUMENTS:
+            reason = f"{self._label(target)}: {reason}"
+            self._caught(Change.ARGUMENTS, reason)
+            self._stop_checking()
+            self._rearm(self.run.loop, reason)
+            return not target.graph_breaks
         if reason is UNACCEPTED and self.run.checking is None:
             # Turbo checks every call it would run directly (H30), not only unseen batches.
             reason = (
@@ -804,6 +847,7 @@ class GuardEngine:
                 # The stance stays; each call first shows that an entry's guards
                 # accept its inputs, or leaves the stance before it runs (H26).
                 self._start_checking(check)
+        run.stance_at_start = self.session.stance_on
         run.compiles_at_batch = self.monitor.compiles
 
     def batch_end(self, loop: str) -> None:
@@ -829,12 +873,15 @@ class GuardEngine:
             and m.use_stance
         ):
             # PhaseMachine.batch_done for a steady training batch that compiled nothing,
-            # without the call (the per-step path).
+            # without the call (the per-step path). A steady step is one that ran under
+            # the stance (not a lookup window's batch with full guards, nor one that
+            # left the stance).
             state.batches += 1
             state.since_compile += 1
-            m.steady_steps += 1
+            if run.stance_at_start and self.session.stance_on:
+                m.steady_steps += 1
         else:
-            m.batch_done(loop, compiled)
+            m.batch_done(loop, compiled, run.stance_at_start and self.session.stance_on)
         if compiled:
             self._after_compile()
         if run.probe is not None:
@@ -1026,6 +1073,8 @@ class GuardEngine:
         target.uninstall()
         run.direct_calls += target.direct_calls
         target.direct_calls = 0
+        run.full_guard_calls += target.full_guard_calls
+        target.full_guard_calls = 0
         index = run.targets.index(target)
         made = self._make_targets(parts)
         run.targets[index : index + 1] = made
@@ -1074,14 +1123,20 @@ class GuardEngine:
             rebuild = [(t, "another rank rebuilt its targets") for t in run.targets]
         rebuilt: set[int] = set()
         for target, change in rebuild:
-            if target.shared and len(target.c.members) > 1 and target.drifted():
-                # Only this member changed its structure: it leaves the shared code,
-                # whose entries stay right for the others (H24).
-                target.leave_shared_code(f"{change}: it no longer has its group's structure")
-                self._rearm(None, f"{self._label(target)}: {change}; compiling it alone")
-            elif id(target.c) not in rebuilt:  # shared code is rebuilt once
-                rebuilt.add(id(target.c))
-                self._rebuild(target, change)
+            drifted = target.shared and len(target.c.members) > 1 and target.drifted()
+            if drifted or id(target.c) not in rebuilt:  # shared code is rebuilt once
+                if not drifted:
+                    rebuilt.add(id(target.c))
+                self._rebuild_or_leave_shared(target, change)
+
+    def _rebuild_or_leave_shared(self, target: CompiledTarget, change: str) -> None:
+        if target.shared and len(target.c.members) > 1 and target.drifted():
+            # Only this member changed its structure: it leaves the shared code,
+            # whose entries stay right for the others (H24).
+            target.leave_shared_code(f"{change}: it no longer has its group's structure")
+            self._rearm(None, f"{self._label(target)}: {change}; compiling it alone")
+        else:
+            self._rebuild(target, change)
 
     # -- metrics -----------------------------------------------------------------------------
 

@@ -119,12 +119,15 @@ class PhaseMachine:
 
     # -- events ------------------------------------------------------------------------------
 
-    def batch_done(self, loop: str, compiled: bool) -> None:
+    def batch_done(self, loop: str, compiled: bool, under_stance: bool = True) -> None:
+        """Count a finished batch; ``under_stance``: it ran under the stance throughout
+        (a steady step counts only then)."""
         state = self.loops[loop]
         state.batches += 1
         if loop == "train":
             if self.use_stance and state.phase == "steady":
-                self.steady_steps += 1
+                if under_stance:
+                    self.steady_steps += 1
             else:
                 self.warmup_steps_taken += 1
         if compiled:

@@ -1,0 +1,88 @@
+"""Changes made between two calls: what a check finds, what to do, and the count by kind.
+
+The check is the one loop boundaries run (H33), done before a call when an event or
+a namespace version says that something a target reads may have changed:
+
+* the module's fingerprint moved (a replaced parameter or buffer, a hook added or
+  removed): the compiled entries assumed the old objects, and Dynamo would not
+  recompile on its own (H3, H34, H35): **rebuild**;
+* an assertion that the filter dropped, or that the stance skips without a failing
+  entry, no longer holds: **rebuild**;
+* no entry's kept assertions hold (a new scalar value, another ``training`` flag):
+  Dynamo recompiles by itself with full guards: **leave the stance** (under the
+  stance; nothing to do outside it).
+
+:func:`decide` returns ``(action, kind, reason)``; the engine acts on it, and
+:class:`ChangeLog` counts each kind for ``summary()["caught_changes"]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from guardtrain.monitor import fingerprint_change, module_fingerprint
+
+__all__ = ["Action", "Change", "ChangeLog", "decide"]
+
+
+class Change(str, enum.Enum):
+    """The kinds of change counted in ``summary()["caught_changes"]``."""
+
+    ARGUMENTS = "arguments"
+    """A plain argument, ``None`` for a tensor, a keyword or a container's structure (H32)."""
+    GLOBALS = "globals"
+    """A global the compiled frames read: a scalar, a function, a module (H31, H33)."""
+    MODULE_STATE = "module_state"
+    """An attribute of a module or of an object its guards read, a submodule's mode (H33)."""
+    HOOKS = "hooks"
+    """A hook added to or removed from a module, or a global module hook (H34)."""
+    PARAMETERS = "parameters"
+    """A parameter or buffer replaced by another object (H3, H35)."""
+
+
+class Action(str, enum.Enum):
+    REBUILD = "rebuild"
+    """Forget the target's compiled entries: the next call compiles afresh."""
+    LEAVE = "leave"
+    """Leave the stance: the call runs with full guards and Dynamo recompiles."""
+
+
+def decide(target: Any, under_stance: bool) -> tuple[Action, Change, str] | None:
+    """What a change in ``target`` calls for, or None when its entries still fit.
+
+    Walks the module (its fingerprint) and evaluates its assertions: run only after
+    an event or a moved version, never per call.
+    """
+    if target.reference is not None:
+        change = fingerprint_change(target.reference, module_fingerprint(target.module))
+        if change is not None:
+            kind = Change.HOOKS if "hook" in change else Change.PARAMETERS
+            return Action.REBUILD, kind, change
+    stale, unmatched = target.check_assertions()
+    failed = target.last_failed
+    kind = Change.GLOBALS if failed is not None and failed.glob else Change.MODULE_STATE
+    if stale is not None:
+        return Action.REBUILD, kind, f"{stale} (a guard that was dropped or skipped)"
+    if unmatched is not None and under_stance:
+        return Action.LEAVE, kind, unmatched
+    return None
+
+
+class ChangeLog:
+    """Caught changes by kind: a count and the first reason of each."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, dict[str, Any]] = {}
+
+    def add(self, kind: Change, reason: str) -> bool:
+        """Count one change; True for the first of its kind (to be logged once)."""
+        found = self.kinds.get(kind.value)
+        if found is None:
+            self.kinds[kind.value] = {"count": 1, "first": reason}
+            return True
+        found["count"] += 1
+        return False
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        return {kind: dict(v) for kind, v in self.kinds.items()}

@@ -1,0 +1,355 @@
+"""Change tracking between compiled calls: events for modules, versions for dictionaries.
+
+Under the stance Dynamo evaluates almost no guard, and guard filters drop the
+guards on modules, so a change made between two steps must be seen by
+guardtrain before the next call (H33, H34, H35). Polling every module's
+dictionaries per call grows with the model (13 µs for 49 modules), so module
+state is tracked by events, the way ``torch/_dynamo/mutation_guard.py`` does:
+
+* ``nn.Module.__setattr__`` and ``__delattr__`` are wrapped while a target is
+  installed: an assignment to a watched module that replaces what it held
+  (an attribute, a parameter, a buffer, a submodule, ``training``) marks every
+  target that contains the module (:attr:`Watched.changed`);
+* hooks do not go through ``__setattr__``: the ``register_*_hook`` methods of
+  ``nn.Module``, the global ``register_module_*_hook`` functions and
+  ``RemovableHandle.remove`` are wrapped the same way;
+* plain objects and global namespaces that guards read (a config object, the
+  module that defines ``forward``) are few and fixed per compile: their
+  ``__dict__`` versions are compared per call (:class:`DictVersions`, about
+  70 ns a dictionary).
+
+A marked target checks itself before its next call; nothing else is done per
+call. The wrappers are installed when the first target is watched and removed
+when the last one goes, leaving every patched class and function as it was.
+
+What no event sees (docs/design.md, H33): ``object.__setattr__``, writes into a
+module's ``__dict__``, ``_parameters`` or hook dictionaries directly, in-place
+changes of a list or dict attribute, class attributes, and hooks registered
+through a reference to ``register_module_*_hook`` taken before the run. Those
+are caught at the next audit or loop boundary.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+from torch import nn
+from torch.utils import hooks as _hooks
+
+__all__ = ["DictVersions", "Watched", "watch", "unwatch", "patched"]
+
+_dict_version: Callable[[dict[Any, Any]], int] = torch._C._dynamo.guards.dict_version
+_is_compiling: Callable[[], bool] = torch.compiler.is_compiling
+_module_setattr = nn.Module.__setattr__
+_module_delattr = nn.Module.__delattr__
+
+
+class Watched(Protocol):
+    """What a watched target exposes: a flag, and the first change seen since it was cleared."""
+
+    changed: bool
+    change_note: str | None
+
+
+# id(module) -> targets that contain it; id(hook dict) -> targets whose module owns it.
+_modules: dict[int, list[Watched]] = {}
+_hook_dicts: dict[int, list[Watched]] = {}
+_targets: dict[int, tuple[Watched, list[int], list[int]]] = {}
+_MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+_HOOK_METHODS = (
+    "register_forward_pre_hook",
+    "register_forward_hook",
+    "register_full_backward_pre_hook",
+    "register_full_backward_hook",
+    "register_backward_hook",
+)
+_GLOBAL_HOOK_FUNCTIONS = (
+    "register_module_forward_pre_hook",
+    "register_module_forward_hook",
+    "register_module_full_backward_pre_hook",
+    "register_module_full_backward_hook",
+    "register_module_backward_hook",
+)
+_MISSING = object()
+_PLAIN = (bool, int, float, str, type(None))
+_STATEFUL = (torch.Tensor, nn.Module)
+read_names: set[str] = set()
+"""Attribute names that some watched target's guards read (every guard Dynamo built,
+kept or dropped): assigning another attribute of a module (Lightning's
+``_current_fx_name``, written on every hook call) marks nothing, unless it holds a
+tensor or a module."""
+
+
+def _mark(targets: Iterable[Watched], note: str) -> None:
+    for target in targets:
+        if not target.changed:
+            target.changed = True
+            target.change_note = note
+
+
+def _current(module: nn.Module, name: str) -> Any:
+    d = module.__dict__
+    if name in d:
+        return d[name]
+    for store in ("_parameters", "_buffers", "_modules"):
+        members = d.get(store)
+        if members is not None and name in members:
+            return members[name]
+    return _MISSING
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Whether assigning ``new`` over ``old`` changes nothing a guard could read."""
+    if old is new:
+        return True
+    kind = type(old)
+    return kind is type(new) and kind in _PLAIN and old == new
+
+
+def _setattr(self: nn.Module, name: str, value: Any) -> None:
+    # Dynamo folds `is_compiling()` to True while it traces an assignment in `forward`:
+    # the compiled code then only sees nn.Module's own `__setattr__`.
+    if not _is_compiling():
+        targets = _modules.get(id(self))
+        if targets is not None:
+            old = _current(self, name)
+            if not _same(old, value) and (
+                name in read_names or isinstance(value, _STATEFUL) or isinstance(old, _STATEFUL)
+            ):
+                _mark(targets, f"{type(self).__name__}.{name} was assigned")
+    _module_setattr(self, name, value)
+
+
+def _delattr(self: nn.Module, name: str) -> None:
+    if not _is_compiling():
+        targets = _modules.get(id(self))
+        if targets is not None:
+            _mark(targets, f"{type(self).__name__}.{name} was deleted")
+    _module_delattr(self, name)
+
+
+def _wrap_hook_method(original: Callable[..., Any]) -> Callable[..., Any]:
+    def register(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        handle = original(self, *args, **kwargs)
+        targets = _modules.get(id(self))
+        if targets is not None:
+            _mark(targets, f"a hook was added to {type(self).__name__} ({original.__name__})")
+        return handle
+
+    register.__wrapped__ = original  # type: ignore[attr-defined]
+    register.__name__ = original.__name__
+    register.__doc__ = original.__doc__
+    return register
+
+
+def _wrap_global_hook_function(original: Callable[..., Any]) -> Callable[..., Any]:
+    def register(*args: Any, **kwargs: Any) -> Any:
+        handle = original(*args, **kwargs)
+        _mark(
+            [t for t, _, _ in _targets.values()],
+            f"a global module hook was added ({original.__name__})",
+        )
+        return handle
+
+    register.__wrapped__ = original  # type: ignore[attr-defined]
+    register.__name__ = original.__name__
+    register.__doc__ = original.__doc__
+    return register
+
+
+_handle_remove = _hooks.RemovableHandle.remove
+
+
+def _remove(self: _hooks.RemovableHandle) -> None:
+    refs = [self.hooks_dict_ref, *getattr(self, "extra_dict_ref", ())]
+    for ref in refs:
+        d = ref()
+        if d is not None and self.id in d:
+            targets = _hook_dicts.get(id(d))
+            if targets is None and _is_global_hook_dict(d):
+                targets = [t for t, _, _ in _targets.values()]
+            if targets:
+                _mark(targets, "a hook was removed")
+    _handle_remove(self)
+
+
+def _is_global_hook_dict(d: Any) -> bool:
+    from torch.nn.modules import module as module_module
+
+    return any(getattr(module_module, name, None) is d for name in _GLOBAL_HOOK_DICTS)
+
+
+class _Patches:
+    """The wrappers in place, and what they replaced (put back by :meth:`remove`)."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[Any, str, Any, Any]] = []
+
+    def _set(self, owner: Any, name: str, value: Any) -> None:
+        original = owner.__dict__.get(name, _MISSING)
+        if original is _MISSING:
+            return
+        setattr(owner, name, value)
+        self.saved.append((owner, name, original, value))
+
+    def install(self) -> None:
+        _prime_dynamo()
+        self._set(nn.Module, "__setattr__", _setattr)
+        self._set(nn.Module, "__delattr__", _delattr)
+        for name in _HOOK_METHODS:
+            original = nn.Module.__dict__.get(name)
+            if original is not None:
+                self._set(nn.Module, name, _wrap_hook_method(original))
+        self._set(_hooks.RemovableHandle, "remove", _remove)
+        from torch.nn import modules as modules_package
+        from torch.nn.modules import module as module_module
+
+        for name in _GLOBAL_HOOK_FUNCTIONS:
+            original = getattr(module_module, name, None)
+            if original is None:
+                continue
+            wrapper = _wrap_global_hook_function(original)
+            self._set(module_module, name, wrapper)
+            if getattr(modules_package, name, None) is original:
+                self._set(modules_package, name, wrapper)
+            if getattr(nn.modules, name, None) is original and nn.modules is not modules_package:
+                self._set(nn.modules, name, wrapper)
+
+    def remove(self) -> None:
+        """Put back what :meth:`install` replaced; a wrapper that someone else wrapped in
+        turn stays (as a pass-through, since nothing is watched any more)."""
+        for owner, name, original, value in reversed(self.saved):
+            if owner.__dict__.get(name) is value:
+                setattr(owner, name, original)
+        self.saved = []
+
+
+def _prime_dynamo() -> None:
+    """Let Dynamo list ``nn.Module``'s own methods before they are wrapped: it caches the
+    list once per process, and a wrapper listed there would be refused when ``forward``
+    assigns an attribute (a graph break)."""
+    try:
+        from torch._dynamo.variables.nn_module import UnspecializedNNModuleVariable
+    except ImportError:  # pragma: no cover - another torch layout
+        return
+    method_ids = getattr(UnspecializedNNModuleVariable, "_nn_module_method_ids", None)
+    if callable(method_ids):
+        method_ids()
+
+
+_patches: _Patches | None = None
+
+
+def patched() -> bool:
+    """Whether the wrappers are in place (some target is watched)."""
+    return _patches is not None
+
+
+def watch(target: Watched, modules: Iterable[nn.Module]) -> None:
+    """Mark ``target`` whenever one of ``modules`` changes (replacing an earlier watch)."""
+    global _patches
+    unwatch(target)
+    module_ids: list[int] = []
+    dict_ids: list[int] = []
+    for module in modules:
+        key = id(module)
+        if key in module_ids:
+            continue
+        module_ids.append(key)
+        _modules.setdefault(key, []).append(target)
+        for name in _MODULE_HOOK_DICTS:
+            d = module.__dict__.get(name)
+            if isinstance(d, dict):
+                dict_ids.append(id(d))
+                _hook_dicts.setdefault(id(d), []).append(target)
+    _targets[id(target)] = (target, module_ids, dict_ids)
+    if _patches is None:
+        _patches = _Patches()
+        _patches.install()
+
+
+def unwatch(target: Watched) -> None:
+    """Stop watching for ``target``; the last one removes the wrappers."""
+    global _patches
+    found = _targets.pop(id(target), None)
+    if found is None:
+        return
+    _, module_ids, dict_ids = found
+    for table, keys in ((_modules, module_ids), (_hook_dicts, dict_ids)):
+        for key in keys:
+            targets = table.get(key)
+            if targets is None:
+                continue
+            targets[:] = [t for t in targets if t is not target]
+            if not targets:
+                del table[key]
+    if not _targets and _patches is not None:
+        _patches.remove()
+        _patches = None
+
+
+class DictVersions:
+    """The versions of a few dictionaries, compared per call (:meth:`moved`).
+
+    Holds the global namespaces and plain objects' ``__dict__`` that a target's
+    guards read (never one per module: modules are tracked by events). The
+    dictionaries are held weakly where they can be (a module's namespace is
+    held by the module itself).
+    """
+
+    __slots__ = ("dicts", "total")
+
+    def __init__(self, dicts: Iterable[dict[Any, Any]] = ()) -> None:
+        self.dicts: tuple[dict[Any, Any], ...] = ()
+        self.total = 0
+        self.reset(dicts)
+
+    def reset(self, dicts: Iterable[dict[Any, Any]] | None = None) -> None:
+        """Remember the current versions (of ``dicts``, when given)."""
+        if dicts is not None:
+            seen: dict[int, dict[Any, Any]] = {}
+            for d in dicts:
+                seen.setdefault(id(d), d)
+            self.dicts = tuple(seen.values())
+        self.total = sum(map(_dict_version, self.dicts))
+
+    def moved(self) -> bool:
+        """Whether any of the dictionaries was written since :meth:`reset`.
+
+        A write gives a dictionary a new version from one counter that only grows, so
+        the sum of the versions moves whenever one of them does (one pass in C)."""
+        return sum(map(_dict_version, self.dicts)) != self.total
+
+    def __len__(self) -> int:
+        return len(self.dicts)
+
+
+def owner_dict(obj: Any) -> dict[Any, Any] | None:
+    """The dictionary whose version tells that an attribute of ``obj`` changed: a
+    dict itself, or the ``__dict__`` of a Python module or plain object; None for a
+    ``nn.Module`` (tracked by events), a class (its namespace is not a dict) and
+    objects without one."""
+    if isinstance(obj, _NOT_OWNERS):
+        return None
+    if type(obj) is dict:
+        return obj
+    d = getattr(obj, "__dict__", None)
+    return d if type(d) is dict else None
+
+
+# Functions and bound methods: ``__dict__`` is the function's own attributes, not what
+# guards read through them (``bound.__self__`` is the module).
+_NOT_OWNERS = (nn.Module, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
