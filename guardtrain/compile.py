@@ -517,7 +517,7 @@ def call_key(
     an argument is something else (a module, a custom object): that call is not
     dispatched directly."""
     if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
-        return _ONE_TENSOR, [args[0]]  # `net(x)`, the most common call
+        return _ONE_TENSOR, args  # type: ignore[return-value]  # `net(x)`, the common call
     key: list[Any] = [len(args)]
     tensors: list[torch.Tensor] = []
     for value in args:
@@ -1544,7 +1544,9 @@ class CompiledTarget:
             ):
                 reason = UNSEEN_ARGUMENTS  # plain values, None, keywords or structure
             else:
-                reason = UNACCEPTED if self.direct else _MISS  # only tensors: new inputs
+                # Only tensors: new inputs, as H26's check (an unseen batch) or turbo's
+                # harvest would find, else as the stance's own miss would say.
+                reason = UNACCEPTED if self.direct or self.checking else _MISS
             self._on_miss(self, reason)
             return _NOT_RUN
         if self.direct and outside_state_clear():

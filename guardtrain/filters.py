@@ -57,7 +57,7 @@ FilterSpec = Union[str, GuardFilter, Sequence[str | GuardFilter], None]
 __all__ = [
     "GuardFilter",
     "NAMED_FILTERS",
-    "FLOOR_GUARD_TYPES",
+    "FLOOR_GUARD_TYPES",  # noqa: F822 - module __getattr__, read on first use
     "GLOBAL_STATE_GUARD_TYPES",
     "STATE_CREATION_GUARD_TYPES",
     "GLOBAL_IDENTITY_GUARD_TYPES",

@@ -1,4 +1,6 @@
-"""Audits and verify batches: changes inside an epoch that no per-batch check can see."""
+"""Audits and verify batches: changes inside an epoch that no per-batch or per-call check
+can see. The change here is one the change tracking cannot see (H33): an item of a list
+attribute read in ``forward``, changed in place."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from torch import nn
 
 from guardtrain import GuardTuneCallback
 
-GAIN = 1.0  # a module global read in forward: Dynamo guards it, the stance skips that guard
 CHANGE_AT = 10
 
 
@@ -21,16 +22,19 @@ class Gain(L.LightningModule):
 
     Not :class:`helpers.NetModule`: the second, plain forward of each batch must give
     the same output, so the network has no Dropout (another mask) and no BatchNorm
-    (batch statistics updated twice), and it reads the module global ``GAIN``.
+    (batch statistics updated twice), and it reads ``self.gains[0]``: Dynamo guards the
+    item's value, the stance skips that guard, and an in-place change of the list
+    passes no ``__setattr__`` (out of reach between checks, H33).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
         self.matches: list[bool] = []
+        self.gains = [1.0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x) * GAIN
+        return self.net(x) * self.gains[0]
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -45,9 +49,8 @@ class Gain(L.LightningModule):
 
 
 class SetGain(L.Callback):
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        global GAIN
-        GAIN = 2.0 if trainer.global_step >= CHANGE_AT else 1.0
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        pl_module.gains[0] = 2.0 if trainer.global_step >= CHANGE_AT else 1.0
 
 
 def run(**kwargs: Any) -> tuple[Gain, GuardTuneCallback]:
@@ -62,19 +65,21 @@ def stale_steps(model: Gain) -> list[int]:
 
 
 def test_without_audits_the_stance_stays_stale() -> None:
-    """What the audits are for: nothing else notices the global changed."""
+    """What the audits are for: nothing else notices the list item changed."""
     model, cb = run(audit_every=None)
     assert cb.summary()["steady_steps"] > CHANGE_AT
     assert stale_steps(model) == list(range(CHANGE_AT, 30))
 
 
-def test_audit_batch_catches_a_changed_global() -> None:
+def test_audit_batch_catches_a_list_item_changed_in_place() -> None:
     model, cb = run(audit_every=4)
     stale = stale_steps(model)
     assert len(stale) <= 4 and all(i >= CHANGE_AT for i in stale), stale
     assert model.matches[-10:] == [True] * 10
     reasons = [r["reason"] for r in cb.summary()["rearms"]]
-    assert any("audit batch compiled" in r and "GAIN" in r for r in reasons), reasons
+    # The audit's re-check of the recorded guards names the item (the audit batch with
+    # full guards would compile for it too).
+    assert any("self.gains[0]: 1.0 -> 2.0" in r for r in reasons), reasons
 
 
 def test_verify_batch_catches_a_difference_from_eager() -> None:

@@ -17,6 +17,7 @@ from helpers import (
     compare,
     fit,
     guard,
+    guard_without_lookup,
     left_the_stance,
     loaders,
     make_trainer,
@@ -268,7 +269,7 @@ class Boom(TinyModule):
 
 def test_exception_in_training_step_restores_everything() -> None:
     model = Boom()
-    cb = guard()
+    cb = guard_without_lookup()  # the lookup window's steps run with full guards
     with pytest.raises(RuntimeError, match="boom"):
         fit(model, [cb])
     assert cb.summary()["steady_steps"] > 0  # the exception came in the steady state
@@ -285,7 +286,7 @@ def test_keyboard_interrupt_restores_everything() -> None:
             return super().training_step(batch, batch_idx)
 
     model = Interrupt()
-    cb = guard()
+    cb = guard_without_lookup()
     with pytest.raises(SystemExit):  # Lightning 2.6 ends the run with exit code 1
         fit(model, [cb])
     assert cb.summary()["steady_steps"] > 0
@@ -299,8 +300,10 @@ def test_two_fits_in_one_process() -> None:
 
 
 def test_summary_counts_and_log(caplog: pytest.LogCaptureFixture) -> None:
+    """Every training step is a warm-up or a steady one (no lookup window here: its
+    steps with full guards are neither)."""
     model = TinyModule()
-    cb = guard()
+    cb = guard_without_lookup()
     with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
         fit(model, [cb])
     s = cb.summary()
@@ -318,7 +321,7 @@ def test_checkpoint_save_and_resume(tmp_path: Any) -> None:
 
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
     model = TinyModule()
-    cb = guard()
+    cb = guard_without_lookup()
     fit(model, [cb, ckpt], max_epochs=2, enable_checkpointing=True, default_root_dir=tmp_path)
     first = cb.summary()
     assert first["phase"] == "steady"
@@ -326,7 +329,7 @@ def test_checkpoint_save_and_resume(tmp_path: Any) -> None:
     saved = next(v for k, v in state.items() if k.startswith("GuardTuneCallback"))
     assert saved["compiles"] == first["compiles"]
 
-    resumed = guard()
+    resumed = guard_without_lookup()
     L.seed_everything(0, verbose=False)
     trainer = make_trainer(
         [resumed], max_epochs=3, enable_checkpointing=True, default_root_dir=tmp_path

@@ -167,7 +167,8 @@ def test_fuzz_mid_epoch_boundary_events(preset: str) -> None:
 
 
 def test_the_harness_catches_a_stale_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the boundary re-check, a hook added at an epoch start must be reported.
+    """Without the boundary re-check and the per-call change check, a hook added at an
+    epoch start must be reported.
 
     (Dynamo does not enforce hook guards by default, in any preset.)"""
     from fuzz_support import Divergence
@@ -175,6 +176,7 @@ def test_the_harness_catches_a_stale_graph(monkeypatch: pytest.MonkeyPatch) -> N
     from guardtrain.engine.core import GuardEngine
 
     monkeypatch.setattr(GuardEngine, "_boundary_check", lambda self, loop: None)
+    monkeypatch.setattr(GuardEngine, "_on_change", lambda self, target, note: None)
     scenario = Scenario(
         "aggressive",
         ((Step(3),), (Step(3, (Event("hook", "epoch", None),)),)),

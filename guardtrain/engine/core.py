@@ -37,8 +37,8 @@ from guardtrain.compile import (
 )
 from guardtrain.engine import breaks as _breaks
 from guardtrain.engine import decisions, report, warmstart
-from guardtrain.engine.changes import Action, Change, ChangeLog, decide
 from guardtrain.engine.agreement import RankAgreement, SingleProcess
+from guardtrain.engine.changes import Action, Change, ChangeLog, decide
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
 from guardtrain.engine.phases import Loop, Phase, PhaseMachine
 from guardtrain.engine.session import StanceSession
