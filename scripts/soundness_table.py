@@ -26,7 +26,8 @@ created by the first call, so its row counts every call); ``error`` when a call
 raised. A ``*`` marks a run with stale calls before the change (a harness bug),
 ``°`` a stance configuration that was not under the stance at the change.
 
-Usage::
+Usage (``guardtrain`` is the one the interpreter imports: the editable install of
+``scripts/setup.sh``; ``PYTHONPATH=.`` for another checkout or worktree)::
 
     .venv/bin/python scripts/soundness_table.py [--out docs/table.md] [--cases a,b] [--configs x,y]
 """
@@ -37,6 +38,7 @@ import argparse
 import contextlib
 import datetime
 import logging
+import os
 import sys
 import time
 import warnings
@@ -385,6 +387,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [""])[0]
+
+
 def _stance_on() -> bool:
     return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
 
@@ -489,7 +495,7 @@ def _loop(
             try:
                 out = model(x, *args, **kwargs)
             except Exception as err:  # a miss under the stance, say
-                result.error = f"step {step}: {type(err).__name__}: {str(err).splitlines()[0]}"
+                result.error = f"step {step}: {type(err).__name__}: {_first_line(err)}"
                 return result
             out.sum().backward()
             opt.step()
@@ -521,7 +527,12 @@ def table(
     results: dict[tuple[str, str], Result] = {}
     for name in cases:
         for config in configs:
-            results[name, config] = run_case(name, config, steps, change_at)
+            try:
+                results[name, config] = run_case(name, config, steps, change_at)
+            except Exception as err:  # a run that could not start: say so, go on
+                results[name, config] = Result(
+                    config, error=f"{type(err).__name__}: {_first_line(err)}"
+                )
             if progress is not None:
                 progress(f"{name:>24} | {config:<13} | {results[name, config].cell()}")
     by_name = {c.name: c for c in CASES}
@@ -570,11 +581,16 @@ def main(argv: list[str] | None = None) -> int:
         body, _ = table(cases, configs, ns.steps, ns.change_at, progress)
     finally:
         torch.set_num_threads(threads)
+    import guardtrain
+
     header = (
         f"Stale calls out of the calls from the change on (step {ns.change_at} of "
         f"{ns.steps}), {datetime.date.today().isoformat()}, torch {torch.__version__}, "
-        f"backend eager, {time.perf_counter() - start:.0f} s.\n"
+        f"guardtrain {guardtrain.__version__}, backend eager, "
+        f"{time.perf_counter() - start:.0f} s.\n"
     )
+    if progress is not None:
+        progress(f"guardtrain imported from {os.path.dirname(guardtrain.__file__)}")
     text = header + "\n" + body + "\n"
     print(text)
     if ns.out:
