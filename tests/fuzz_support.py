@@ -22,9 +22,21 @@ two calls, so each forward sees the state an uncompiled run would.
 The outcome of a call is one of: equal; a ``GuardTrainError`` (a documented,
 clear error: recorded); the same exception type in both (recorded); or a
 :class:`Divergence`. A divergence right after an event that the contract
-checks only at boundaries, applied mid-epoch, is recorded as *tolerated*
-until the next loop or epoch boundary (README, "Known limits"); any other
-divergence, and every crash, fails the run.
+checks only at boundaries (``BOUNDARY``), applied mid-epoch, is recorded as
+*tolerated* until the next loop or epoch boundary (README, "Known limits");
+any other divergence, and every crash, fails the run.
+
+The changes of ``STRICT`` (issue 17) may come anywhere, at an epoch start or
+between any two steps, and never open such a window: the plain arguments the
+module passes to the network's ``forward`` (an int, a float, a str, an
+optional tensor given or ``None``, a keyword given on some calls only), a
+module attribute, a module global (``GAIN``), a config object's field, a
+forward hook added to or removed from a submodule, a replaced parameter, and
+a submodule's own ``train(False)``/``train(True)``. A divergence after one of
+them is a failure wherever it happens, except inside a window that a
+mid-epoch ``BOUNDARY`` event opened before it (the harness cannot tell the two
+apart there; the fuzz that checks ``STRICT`` places ``BOUNDARY`` events at
+epoch starts only).
 """
 
 from __future__ import annotations
@@ -70,6 +82,33 @@ BOUNDARY = (
     "sub_eval",
 )
 KINDS = ANYWHERE + BOUNDARY
+#: Mid-epoch changes that must be seen at once, in every call, for every preset (issue 17).
+#: ``arg_*`` change what :class:`FuzzModule` passes to ``Net.forward``: ``arg_int`` ``k``,
+#: ``arg_float`` ``t``, ``arg_str`` ``mode`` (an arg sets the value), ``arg_tensor`` toggles
+#: ``extra`` between a tensor and ``None``, ``arg_kw`` toggles whether ``shift`` is given.
+#: ``attr`` sets ``Net.temp``, ``global`` this module's ``GAIN``, ``cfg`` toggles
+#: ``Net.cfg.negate``; ``hook_add``/``hook_remove`` add or remove a doubling forward hook
+#: on the submodule named by the arg (``Scenario.hooked`` starts with some);
+#: ``replace_param`` replaces that submodule's ``bias``; ``sub_mode`` toggles that
+#: submodule's ``training``.
+STRICT = (
+    "arg_int",
+    "arg_float",
+    "arg_str",
+    "arg_tensor",
+    "arg_kw",
+    "attr",
+    "global",
+    "cfg",
+    "hook_add",
+    "hook_remove",
+    "replace_param",
+    "sub_mode",
+)
+ALL_KINDS = KINDS + STRICT
+
+#: A module global read by ``Net.forward`` (the ``global`` event); 1.0 at every run's start.
+GAIN = 1.0
 
 
 @dataclass(frozen=True)
@@ -100,13 +139,16 @@ class Scenario:
     audit_every: int | None = None
     guard_kwargs: tuple[tuple[str, Any], ...] = ()
     """More GuardTuneCallback arguments, e.g. ``(("measure_lookup", False),)``."""
+    hooked: tuple[str, ...] = ()
+    """Submodules of ``Net`` that carry a doubling forward hook from the start (before the
+    compile), for ``hook_remove``."""
 
     def describe(self) -> str:
         lines = [
             f"Scenario(preset={self.preset!r}, warmup_steps={self.warmup_steps}, "
             f"stable_steps={self.stable_steps}, sanity_steps={self.sanity_steps}, "
             f"val_sizes={self.val_sizes}, audit_every={self.audit_every}, "
-            f"guard_kwargs={dict(self.guard_kwargs)})"
+            f"guard_kwargs={dict(self.guard_kwargs)}, hooked={self.hooked})"
         ]
         for e, steps in enumerate(self.epochs):
             for i, s in enumerate(steps):
@@ -115,12 +157,22 @@ class Scenario:
         return "\n".join(lines)
 
 
+class FuzzConfig:
+    """A plain config object the network holds (``Net.cfg``); ``cfg`` toggles its field."""
+
+    def __init__(self) -> None:
+        self.negate = False
+
+
 class Net(nn.Module):
     """Linear -> BatchNorm -> ReLU -> Dropout -> Linear, times a float ``scale``.
 
-    Not :class:`helpers.Net`: the events set ``scale`` (a float attribute read in
-    ``forward``) and name ``lin1``, ``lin2`` and ``bn``; the planned batches have 4
-    features.
+    Not :class:`helpers.Net`: the events set ``scale`` and ``temp`` (float
+    attributes read in ``forward``), ``cfg.negate`` and this module's ``GAIN``, and
+    name ``lin1``, ``lin2``, ``bn`` and ``drop``; the planned batches have 4 features.
+    The keyword arguments change the computation only when given another value than
+    their default (``STRICT``'s ``arg_*`` events); with the defaults the result is
+    bitwise that of the plain network.
     """
 
     def __init__(self) -> None:
@@ -130,10 +182,27 @@ class Net(nn.Module):
         self.drop = nn.Dropout(0.25)
         self.lin2 = nn.Linear(8, 3)
         self.scale = 1.0
+        self.temp = 1.0
+        self.cfg = FuzzConfig()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.drop(torch.relu(self.bn(self.lin1(x))))
-        return self.lin2(h) * self.scale
+    def forward(
+        self,
+        x: torch.Tensor,
+        k: int = 1,
+        t: float = 1.0,
+        mode: str = "relu",
+        extra: torch.Tensor | None = None,
+        shift: float | None = None,
+    ) -> torch.Tensor:
+        h = self.bn(self.lin1(x))
+        h = torch.tanh(h) if mode == "tanh" else torch.relu(h)
+        if extra is not None:
+            h = h + extra
+        out = self.lin2(self.drop(h)) * self.scale
+        out = out * k / t / self.temp * GAIN
+        if shift is not None:
+            out = out + shift
+        return -out if self.cfg.negate else out
 
 
 class Divergence(AssertionError):
@@ -157,6 +226,14 @@ def _add_one(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor
     return output + 1.0
 
 
+def _double(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * 2.0
+
+
+#: The tensor ``arg_tensor`` passes as ``extra`` (added after the activation).
+EXTRA = torch.full((8,), 0.25)
+
+
 class FuzzModule(L.LightningModule):
     """Compares every compiled forward with the uncompiled one; never steps an optimizer."""
 
@@ -168,6 +245,10 @@ class FuzzModule(L.LightningModule):
         self.use_autocast = False
         self.use_no_grad = False
         self.hook: Any = None
+        self.hooks: dict[str, Any] = {}
+        """``STRICT``'s doubling hooks, by submodule name (``Scenario.hooked``, ``hook_add``)."""
+        self.call_kwargs: dict[str, Any] = {}
+        """The keyword arguments passed to the network's ``forward`` (``arg_*`` events)."""
         self.tainted: str | None = None
         """Set while a boundary-only event applied mid-epoch is not yet at a boundary."""
         self.guard: GuardTuneCallback | None = None
@@ -203,13 +284,15 @@ class FuzzModule(L.LightningModule):
         buffers = list(net.buffers())
         before = [b.detach().clone() for b in buffers]
         where = f"call {rec.calls} ({loop}, training={net.training}, x={tuple(x.shape)} {x.dtype})"
+        if self.call_kwargs:
+            where += f" kwargs={_describe(self.call_kwargs)}"
 
         compiled: tuple[torch.Tensor, Any, list[torch.Tensor]] | None = None
         compiled_err: BaseException | None = None
         torch.manual_seed(seed)
         try:
             with self._context():
-                out = net(x)
+                out = net(x, **self.call_kwargs)
             compiled = (out, self._grads(out), [b.detach().clone() for b in buffers])
         except GuardTrainError as err:  # documented, clear error
             rec.errors.append(f"{where}: {type(err).__name__}: {err}")
@@ -222,7 +305,7 @@ class FuzzModule(L.LightningModule):
         torch.manual_seed(seed)
         try:
             with self._context():
-                ref = type(net).forward(net, x)
+                ref = type(net).forward(net, x, **self.call_kwargs)
             eager = (ref, self._grads(ref), [b.detach().clone() for b in buffers])
         except Exception as err:
             if compiled_err is not None and type(compiled_err) is type(err):
@@ -338,6 +421,8 @@ class FuzzModule(L.LightningModule):
                 self.hook = None
         elif kind == "reset":
             torch._dynamo.reset()
+        elif kind in STRICT:
+            self._apply_strict(event)
         else:  # pragma: no cover
             raise ValueError(kind)
         stance = stance_on()
@@ -345,6 +430,47 @@ class FuzzModule(L.LightningModule):
         self.record.history.append(f"{label}: {event}" + (" (stance on)" if stance else ""))
         if event.where == "batch" and kind in BOUNDARY:
             self.tainted = f"{event} at {label}"
+
+    def _apply_strict(self, event: Event) -> None:
+        global GAIN
+        net = self.net
+        kind, arg = event.kind, event.arg
+        kwargs = self.call_kwargs
+        if kind in ("arg_int", "arg_float", "arg_str"):
+            kwargs[{"arg_int": "k", "arg_float": "t", "arg_str": "mode"}[kind]] = arg
+        elif kind == "arg_tensor":
+            kwargs["extra"] = EXTRA if kwargs.get("extra") is None else None
+        elif kind == "arg_kw":
+            if kwargs.pop("shift", None) is None:
+                kwargs["shift"] = 0.5
+        elif kind == "attr":
+            net.temp = arg
+        elif kind == "global":
+            GAIN = arg
+        elif kind == "cfg":
+            net.cfg.negate = not net.cfg.negate
+        elif kind == "hook_add":
+            if arg not in self.hooks:
+                self.hooks[arg] = getattr(net, arg).register_forward_hook(_double)
+        elif kind == "hook_remove":
+            handle = self.hooks.pop(arg, None)
+            if handle is not None:
+                handle.remove()
+        elif kind == "replace_param":
+            sub = getattr(net, arg)
+            old = sub.bias
+            sub.bias = nn.Parameter(old.detach() + 0.125, old.requires_grad)
+        elif kind == "sub_mode":
+            sub = getattr(net, arg)
+            sub.train(not sub.training)
+        else:  # pragma: no cover
+            raise ValueError(kind)
+
+
+def _describe(kwargs: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{k}={'<tensor>' if isinstance(v, torch.Tensor) else repr(v)}" for k, v in kwargs.items()
+    )
 
 
 class Driver(L.Callback):
@@ -439,13 +565,26 @@ def run_scenario(
     scenario: Scenario, **guard_kwargs: Any
 ) -> tuple[Record, GuardTuneCallback, FuzzModule]:
     """Fit the planned scenario; raise :class:`Divergence` on a silent wrong result."""
+    global GAIN
     torch._dynamo.reset()
     torch.compiler.set_stance("default")
     L.seed_everything(0, verbose=False)
+    GAIN = 1.0
+    try:
+        return _run(scenario, guard_kwargs)
+    finally:
+        GAIN = 1.0
+
+
+def _run(
+    scenario: Scenario, guard_kwargs: dict[str, Any]
+) -> tuple[Record, GuardTuneCallback, FuzzModule]:
     per_epoch = len(scenario.epochs[0])
     assert all(len(e) == per_epoch for e in scenario.epochs), "same batches per epoch"
     record = Record()
     model = FuzzModule(record)
+    for name in scenario.hooked:
+        model.hooks[name] = getattr(model.net, name).register_forward_hook(_double)
     guard = make_guard(scenario, **guard_kwargs)
     model.guard = guard
     trainer = L.Trainer(

@@ -3,17 +3,33 @@
 Each example is one real ``Trainer.fit`` of a tiny network (backend "eager",
 bitwise comparison of outputs, gradients and written buffers after every
 event; see ``fuzz_support``) under one preset. CI runs a fixed, derandomized
-number of examples without shrinking (about two minutes on two cores);
-``GUARDTRAIN_SOAK=1`` runs 500 random examples per preset with shrinking
-(``GUARDTRAIN_SOAK=2000`` sets the count), e.g.::
+number of examples without shrinking (about three minutes on two cores, one
+of them the strict mid-epoch changes below);
+``GUARDTRAIN_SOAK=1`` runs 500 random examples per preset and test with
+shrinking, ``GUARDTRAIN_SOAK=N`` (N > 1) runs N, e.g. 1,000 examples of the
+mid-epoch changes for one preset (about 1 s an example; hypothesis stops a
+test at its first failure and shrinks it)::
 
-    GUARDTRAIN_SOAK=1 .venv/bin/python -m pytest tests/test_fuzz.py -q -k fuzz
+    GUARDTRAIN_SOAK=1000 .venv/bin/python -m pytest tests/test_fuzz.py -q \
+        -k "test_fuzz_mid_epoch_changes and aggressive"
+
+or ``-k test_fuzz_mid_epoch_changes`` for 1,000 per preset (5,000 in all), or
+``-k fuzz`` for every fuzz test.
 
 Events that the callback checks only at loop and epoch boundaries
 (``fuzz_support.BOUNDARY``) happen at epoch starts in the main fuzz. The
-mid-epoch fuzz and ``test_event_in_the_middle_of_a_steady_epoch`` place them
-inside an epoch, where the README allows a divergence until the next
+boundary-events fuzz and ``test_event_in_the_middle_of_a_steady_epoch`` place
+them inside an epoch, where the README allows a divergence until the next
 boundary; every other divergence and every crash fails.
+
+The changes of ``fuzz_support.STRICT`` (issue 17: plain arguments of the
+network's ``forward``, a module attribute, a global, a config field, a forward
+hook added or removed, a replaced parameter, a submodule's mode) come
+anywhere, also between two steady steps under the stance, and are checked
+strictly, for every preset: ``test_fuzz_mid_epoch_changes`` (``BOUNDARY``
+events at epoch starts only, no divergence allowed anywhere) and
+``test_change_in_the_middle_of_a_steady_epoch`` (each change once, under the
+stance where the preset uses it).
 
 Bugs the fuzz found are the ``test_bug_*`` regression tests at the end.
 """
@@ -27,10 +43,12 @@ import lightning as L
 import pytest
 import torch
 from fuzz_support import (
+    ALL_KINDS,
     ANYWHERE,
     BOUNDARY,
     KINDS,
     PRESETS,
+    STRICT,
     Event,
     Scenario,
     Step,
@@ -54,6 +72,8 @@ SOAK_EXAMPLES = int(_soak) if _soak.isdigit() and int(_soak) > 1 else 500
 #: Examples per preset in CI; the presets with unsafe levers get more.
 CI_EXAMPLES = {"off": 4, "safe": 4, "balanced": 10, "aggressive": 10, "turbo": 10}
 CI_EXAMPLES_MID_EPOCH = 4
+#: Examples per preset of the strict mid-epoch changes (``STRICT``) in CI.
+CI_EXAMPLES_CHANGES = {"off": 2, "safe": 2, "balanced": 4, "aggressive": 4, "turbo": 4}
 
 
 def fuzz_settings(examples: int) -> Any:
@@ -81,7 +101,18 @@ ARGS: dict[str, tuple[Any, ...]] = {
     "dropout_p": (0.0, 0.5, 0.25),
     "bn_momentum": (0.5, None, 0.1),  # None: BatchNorm's cumulative average, a graph break
     "hook": ("lin2", "lin1"),  # adds 1.0 to the output; before BatchNorm only rounding shows it
+    # STRICT's changes (see fuzz_support.STRICT)
+    "arg_int": (2, 3, 1),
+    "arg_float": (0.5, 2.0, 1.0),
+    "arg_str": ("tanh", "relu"),
+    "attr": (0.5, 2.0, 1.0),
+    "global": (0.5, 2.0, 1.0),
+    "hook_add": ("lin2", "drop", "lin1"),  # doubles the output
+    "hook_remove": ("lin2", "drop", "lin1"),
+    "replace_param": ("lin2", "bn", "lin1"),  # the bias, plus 0.125
+    "sub_mode": ("drop", "bn"),
 }
+HOOKED = ("lin2", "drop", "lin1")
 
 
 @st.composite
@@ -128,6 +159,54 @@ def scenarios(draw: Any, preset: str, mid_epoch_boundary_events: bool = False) -
     )
 
 
+@st.composite
+def change_scenarios(draw: Any, preset: str) -> Scenario:
+    """``STRICT``'s changes, mostly between steady steps: a plain first epoch of 3-4
+    batches (warm-up, then the stance), then 1-2 epochs whose batches get 0-2 of
+    ``STRICT``'s changes each (before the batch, or at the epoch start) and, at one
+    batch in four, another event (``BOUNDARY``'s only at epoch starts). The network may
+    start with hooks (for ``hook_remove``)."""
+    per_epoch = draw(st.integers(3, 4))
+    size = draw(st.sampled_from(SIZES))
+    dtype = torch.float32
+    epochs = [tuple(Step(size) for _ in range(per_epoch))]
+    for _ in range(draw(st.integers(1, 2))):
+        steps = []
+        for i in range(per_epoch):
+            if draw(st.integers(0, 9)) == 0:
+                size = draw(st.sampled_from(SIZES))
+            kinds = draw(st.lists(st.sampled_from(STRICT), max_size=2))
+            if draw(st.integers(0, 3)) == 0:
+                kinds.append(draw(st.sampled_from(KINDS)))
+            events = []
+            for kind in kinds:
+                if kind in BOUNDARY and i > 0:
+                    continue
+                where = "epoch" if kind in BOUNDARY else "batch"
+                if i == 0 and kind not in BOUNDARY:
+                    where = draw(st.sampled_from(("epoch", "batch")))
+                arg: Any = None
+                if kind == "dtype":
+                    dtype = torch.float64 if dtype == torch.float32 else torch.float32
+                    arg = dtype
+                elif kind in ARGS:
+                    arg = draw(st.sampled_from(ARGS[kind]))
+                events.append(Event(kind, where, arg))
+            steps.append(Step(size, tuple(events)))
+        epochs.append(tuple(steps))
+    return Scenario(
+        preset=preset,
+        epochs=tuple(epochs),
+        warmup_steps=draw(st.integers(0, 2)),
+        stable_steps=1,
+        sanity_steps=draw(st.integers(0, 1)),
+        val_sizes=tuple(draw(st.lists(st.sampled_from(SIZES), max_size=2))),
+        audit_every=draw(st.sampled_from((None, 3))),
+        guard_kwargs=(("measure_lookup", draw(st.booleans())),),
+        hooked=tuple(draw(st.lists(st.sampled_from(HOOKED), max_size=2, unique=True))),
+    )
+
+
 def check(scenario: Scenario) -> Any:
     """Run one scenario; it must end equal to eager (or tolerated) and leave no trace."""
     try:
@@ -162,6 +241,21 @@ def test_fuzz_mid_epoch_boundary_events(preset: str) -> None:
     @given(scenario=scenarios(preset, mid_epoch_boundary_events=True))
     def run(scenario: Scenario) -> None:
         check(scenario)
+
+    run()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fuzz_mid_epoch_changes(preset: str) -> None:
+    """Random events with ``STRICT``'s changes anywhere (issue 17): every call equals eager.
+
+    ``BOUNDARY`` events stay at epoch starts, so no divergence is tolerated anywhere."""
+
+    @fuzz_settings(CI_EXAMPLES_CHANGES[preset])
+    @given(scenario=change_scenarios(preset))
+    def run(scenario: Scenario) -> None:
+        record, _ = check(scenario)
+        assert not record.tolerated
 
     run()
 
@@ -214,6 +308,40 @@ def test_event_in_the_middle_of_a_steady_epoch(preset: str, kind: str) -> None:
     assert record.stance_at_events == [True]
     if kind in ANYWHERE:
         assert not record.tolerated
+
+
+STANCE_PRESETS = ("balanced", "aggressive", "turbo")
+
+
+def steady_change(preset: str, kind: str) -> Scenario:
+    """Warm up in epoch 0; make ``STRICT``'s change ``kind`` before batch 1 of epoch 1."""
+    arg = ARGS.get(kind, (None,))[0]
+    middle = (Step(4), Step(4, (Event(kind, "batch", arg),)), Step(4))
+    return Scenario(
+        preset,
+        ((Step(4),) * 3, middle),
+        warmup_steps=2,
+        stable_steps=1,
+        val_sizes=(3,),
+        hooked=(arg,) if kind == "hook_remove" else (),
+    )
+
+
+@pytest.mark.parametrize("kind", STRICT)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_change_in_the_middle_of_a_steady_epoch(preset: str, kind: str) -> None:
+    """Each of ``STRICT``'s changes once, between two steady steps (under the stance for
+    the stance presets; ``off`` and ``safe`` too: a hook added after the compile, a
+    replaced parameter): no call may diverge, not even until the next boundary."""
+    record, _ = check(steady_change(preset, kind))
+    assert not record.tolerated
+    assert record.stance_at_events == [preset in STANCE_PRESETS]
+
+
+def test_the_strict_kinds_are_new() -> None:
+    """``STRICT`` names no kind that has a boundary allowance."""
+    assert not set(STRICT) & set(KINDS)
+    assert len(set(ALL_KINDS)) == len(ALL_KINDS)
 
 
 # -- regressions: bugs the fuzz found -------------------------------------------------------
