@@ -739,3 +739,20 @@ def test_steady_steps_exclude_the_lookup_window(adapter: str, preset: str) -> No
     assert s is not None
     assert s["lookup_calls"]["full_guards"]["steps"] >= 1, s["lookup_calls"]
     assert s["steady_steps"] == sum(got.stance), (s["steady_steps"], got.stance)
+
+
+@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+def test_each_kind_of_caught_change_is_logged_once(
+    preset: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step counter from step 8 on: a catch for the first new value, and more whenever a
+    value is not served (the counted kind is logged once, with its first reason)."""
+    case = BY_ID["arg-int-step-counter"]
+    with caplog.at_level("INFO", logger="guardtrain"):
+        got = run_tuner(case, preset)
+    kinds = got.summary["caught_changes"]
+    lines = [r.getMessage() for r in caplog.records if "caught a change of" in r.getMessage()]
+    assert kinds and len(lines) == len(kinds), (kinds, lines)
+    for kind, caught in kinds.items():
+        (line,) = [x for x in lines if f"caught a change of {kind} " in x]
+        assert caught["count"] >= 1 and caught["first"] in line
