@@ -1021,10 +1021,10 @@ class CompiledTarget:
         self.last_key: tuple[Any, ...] | None = None
         self.last_mode: Mode | None = None
         self.full_guard_calls = 0
-        self.last_failed: Assertion | None = None
-        """The assertion :meth:`check_assertions` last named, if any."""
         """Calls under the stance whose arguments no key describes (a module, an object):
         they ran with full guards."""
+        self.last_failed: Assertion | None = None
+        """The assertion :meth:`check_assertions` last named, if any."""
         self.calls = 0
         """Calls outside the stance since the last rebuild (a called target with no
         compile ran uncompiled: Dynamo skipped its code)."""
@@ -1395,12 +1395,12 @@ class CompiledTarget:
         return self.c.cache_entries()
 
     def accepts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether a cache entry of the root code accepts a call with these inputs (H26).
+        """Whether the entry the stance would run accepts a call with these inputs (H26).
 
-        Evaluates each entry's guard manager, with every guard it kept (the input
-        tensors' sizes, strides and dtypes, the shape environment's ranges and 0/1
-        specialisation, global state), on the call's arguments: what Dynamo checks
-        without the stance. Costs one guard evaluation per entry tried.
+        Finds the entry as the stance does (diff guards) and evaluates its guard
+        manager, with every guard it kept (the input tensors' sizes, strides and
+        dtypes, the shape environment's ranges and 0/1 specialisation, global
+        state), on the call's arguments: what Dynamo checks without the stance.
         """
         if self._stance_choice(args, kwargs) is None:
             return False
