@@ -1430,7 +1430,9 @@ class CompiledTarget:
                 except Exception:
                     continue
                 d = _watch.owner_dict(obj)
-                if d is not None and d is not scope:
+                # Not the trampolines' globals: only Dynamo writes them (its `__import_*`
+                # aliases, at compile time); what users change lives in their modules.
+                if d is not None and d is not scope and d is not _GLOBALS:
                     found.append(d)
         return found
 

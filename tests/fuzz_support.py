@@ -22,9 +22,12 @@ two calls, so each forward sees the state an uncompiled run would.
 The outcome of a call is one of: equal; a ``GuardTrainError`` (a documented,
 clear error: recorded); the same exception type in both (recorded); or a
 :class:`Divergence`. A divergence right after an event that the contract
-checks only at boundaries (``BOUNDARY``), applied mid-epoch, is recorded as
-*tolerated* until the next loop or epoch boundary (README, "Known limits");
-any other divergence, and every crash, fails the run.
+checks only at boundaries (``BOUNDARY``: since issue 17 only ``dtype``, whose
+``Module.to`` writes new buffers straight into ``_buffers``), applied
+mid-epoch, is recorded as *tolerated* until the next loop or epoch boundary
+(README, "Known limits"); any other divergence, and every crash, fails the
+run. Attribute assignments, hooks, replaced parameters and freezing are in
+``ANYWHERE``: checked strictly in every call.
 
 The changes of ``STRICT`` (issue 17) may come anywhere, at an epoch start or
 between any two steps, and never open such a window: the plain arguments the
@@ -65,13 +68,15 @@ logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
 
 PRESETS = ("off", "safe", "balanced", "aggressive", "turbo")
 
-#: Events whose change the callback promises to see on every batch / in every call.
-ANYWHERE = ("train_eval", "inplace", "autocast", "no_grad", "reset")
-#: Events the callback checks only at loop and epoch boundaries (README, section 4).
-#: ``dtype`` converts the network (its buffers are replaced by new tensor objects) and
-#: switches the batches to that dtype from the same step on.
-BOUNDARY = (
-    "dtype",
+#: Events whose change the callback promises to see on every batch / in every call. Since
+#: issue 17 this includes assignments to module attributes, hooks and replaced parameters
+#: (the change tracking, H33-H35).
+ANYWHERE = (
+    "train_eval",
+    "inplace",
+    "autocast",
+    "no_grad",
+    "reset",
     "freeze",
     "replace_attr",
     "replace_assign",
@@ -81,6 +86,10 @@ BOUNDARY = (
     "hook",
     "sub_eval",
 )
+#: Events the callback checks only at loop and epoch boundaries (README, known limits).
+#: ``dtype`` converts the network: ``Module.to`` writes the new buffers straight into
+#: ``_buffers`` (no event), and the batches switch to that dtype from the same step on.
+BOUNDARY = ("dtype",)
 KINDS = ANYWHERE + BOUNDARY
 #: Mid-epoch changes that must be seen at once, in every call, for every preset (issue 17).
 #: ``arg_*`` change what :class:`FuzzModule` passes to ``Net.forward``: ``arg_int`` ``k``,

@@ -17,7 +17,9 @@ or ``-k test_fuzz_mid_epoch_changes`` for 1,000 per preset (5,000 in all), or
 ``-k fuzz`` for every fuzz test.
 
 Events that the callback checks only at loop and epoch boundaries
-(``fuzz_support.BOUNDARY``) happen at epoch starts in the main fuzz. The
+(``fuzz_support.BOUNDARY``: ``dtype`` since issue 17; attribute assignments,
+hooks, replaced parameters and freezing became ``ANYWHERE`` events, strict in
+every call) happen at epoch starts in the main fuzz. The
 boundary-events fuzz and ``test_event_in_the_middle_of_a_steady_epoch`` place
 them inside an epoch, where the README allows a divergence until the next
 boundary; every other divergence and every crash fails.
