@@ -1593,12 +1593,12 @@ class CompiledTarget:
                 return direct
         if not self.may_harvest(mode) or dispatch_mode_active():
             return None
-        direct = self.harvest(mode, key, tensors, args, kwargs)
-        if direct is None:
+        harvested = self.harvest(mode, key, tensors, args, kwargs)
+        if harvested is None:
             # No entry's guards accept the call: the stance would run one compiled for
             # other inputs (H26).
             self._on_miss(self, UNACCEPTED)
-        return direct
+        return harvested
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call with Dynamo's guards (outside the stance): may trace, so

@@ -284,6 +284,16 @@ def assert_restored(model: nn.Module | None = None) -> None:
     assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False
     assert torch._dynamo.config.install_free_tensors is False
     assert torch._dynamo.config.use_recursive_dict_tags_for_guards is False
+    # The change tracking's wrappers are gone (H33): every patched function is torch's own.
+    from torch.utils.hooks import RemovableHandle
+
+    from guardtrain import watch
+
+    assert not watch.patched()
+    assert nn.Module.__setattr__ is watch._module_setattr
+    assert nn.Module.__delattr__ is watch._module_delattr
+    assert RemovableHandle.remove is watch._handle_remove
+    assert not hasattr(nn.Module.register_forward_hook, "__wrapped__")
     if model is not None:
         for name, module in model.named_modules():
             assert "forward" not in module.__dict__, (
