@@ -19,12 +19,10 @@ Medians of 7 repeats, minus an empty loop. Usage::
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from direct_check_cost import per_call  # scripts/ is on sys.path when run as a script
 from torch import nn
 
 from guardtrain import GuardTuner
@@ -53,16 +51,6 @@ class Stack(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x) * SCALE
-
-
-def per_call(fn: Callable[[], Any], n: int = 100_000) -> float:
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - t0) / n * 1e9)
-    return statistics.median(times)
 
 
 def measure(model: nn.Module, args: tuple[Any, ...]) -> dict[str, float]:

@@ -117,6 +117,17 @@ ARGS: dict[str, tuple[Any, ...]] = {
 HOOKED = ("lin2", "drop", "lin1")
 
 
+def _event(draw: Any, kind: str, where: str, dtype: torch.dtype) -> tuple[Event, torch.dtype]:
+    """One event of ``kind`` with a drawn argument; ``dtype`` toggles the network's dtype."""
+    arg: Any = None
+    if kind == "dtype":
+        dtype = torch.float64 if dtype == torch.float32 else torch.float32
+        arg = dtype
+    elif kind in ARGS:
+        arg = draw(st.sampled_from(ARGS[kind]))
+    return Event(kind, where, arg), dtype
+
+
 @st.composite
 def scenarios(draw: Any, preset: str, mid_epoch_boundary_events: bool = False) -> Scenario:
     """A random plan: 2-5 epochs of 1-3 batches, 0-2 events per batch, new batch sizes."""
@@ -140,13 +151,8 @@ def scenarios(draw: Any, preset: str, mid_epoch_boundary_events: bool = False) -
                     where = draw(st.sampled_from(("epoch", "batch")))
                 else:
                     where = "batch"
-                arg: Any = None
-                if kind == "dtype":
-                    dtype = torch.float64 if dtype == torch.float32 else torch.float32
-                    arg = dtype
-                elif kind in ARGS:
-                    arg = draw(st.sampled_from(ARGS[kind]))
-                events.append(Event(kind, where, arg))
+                event, dtype = _event(draw, kind, where, dtype)
+                events.append(event)
             steps.append(Step(size, tuple(events)))
         epochs.append(tuple(steps))
     return Scenario(
@@ -187,13 +193,8 @@ def change_scenarios(draw: Any, preset: str) -> Scenario:
                 where = "epoch" if kind in BOUNDARY else "batch"
                 if i == 0 and kind not in BOUNDARY:
                     where = draw(st.sampled_from(("epoch", "batch")))
-                arg: Any = None
-                if kind == "dtype":
-                    dtype = torch.float64 if dtype == torch.float32 else torch.float32
-                    arg = dtype
-                elif kind in ARGS:
-                    arg = draw(st.sampled_from(ARGS[kind]))
-                events.append(Event(kind, where, arg))
+                event, dtype = _event(draw, kind, where, dtype)
+                events.append(event)
             steps.append(Step(size, tuple(events)))
         epochs.append(tuple(steps))
     return Scenario(
