@@ -447,6 +447,7 @@ _FREEVAR_ERROR = "Freevar has no source"
 _MISS = "no compiled entry accepted the call"
 UNACCEPTED = "no compiled entry's guards accept the call's inputs"
 UNSEEN_ARGUMENTS = "the call's plain arguments are new, and no compiled entry accepts them"
+_WRITTEN = "a global or an object its guards read was written"
 _NOT_RUN = object()
 """What a steady call returns when it left the stance instead of running."""
 _SHARED_NAME = "module"
@@ -1512,15 +1513,23 @@ class CompiledTarget:
 
     # -- installing --------------------------------------------------------------------------
 
-    def check_changed(self, note: str | None = None) -> None:
+    def check_changed(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], note: str | None = None
+    ) -> None:
         """Before a call: something this target reads may have changed (an event, or a
         namespace whose version moved). The engine checks and acts (rebuilds the target or
-        leaves the stance); then the versions and the watched modules start again."""
+        leaves the stance); then, still under the stance, the entry the stance would run
+        must accept this call with its full guards, or the call leaves the stance: the
+        recorded assertions do not say which entry serves the call's grad mode or
+        autocast (an eval entry compiled under ``no_grad`` matches a submodule switched to
+        ``eval()`` in training). Then the versions and the watched modules start again."""
         note = note or self.change_note or "a watched module changed"
         self.changed = False
         self.change_note = None
         if self._on_change is not None:
             self._on_change(self, note)
+        if self.fast and self._stance_choice(args, kwargs) is None:
+            self._on_miss(self, f"{note}; {UNACCEPTED}")
         self.versions.reset()
         if self.installed:
             self._watch()
@@ -1655,16 +1664,16 @@ class CompiledTarget:
             if _top_saved_hooks(True) is not None:
                 target._saved_hooks_seen()  # saved-tensor hooks at this call (H31)
             if target.changed:
-                target.check_changed()  # an event: a module in it changed (H33, H34)
+                target.check_changed(args, kwargs)  # an event: a module changed (H33, H34)
             if target.fast:
                 if target.versions.moved():
-                    target.check_changed("a global or an object its guards read was written")
+                    target.check_changed(args, kwargs, _WRITTEN)
                 if target.fast:
                     out = target._steady(args, kwargs)
                     if out is not _NOT_RUN:
                         return out
             elif target.c.drops_guards and target.versions.moved():
-                target.check_changed("a global or an object its guards read was written")
+                target.check_changed(args, kwargs, _WRITTEN)
             return target._guarded(args, kwargs)
 
         forward.__wrapped__ = self._bound  # type: ignore[attr-defined]

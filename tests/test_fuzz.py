@@ -538,3 +538,36 @@ def test_bug_train_and_eval_entries_under_one_grad_mode(preset: str) -> None:
         guard_kwargs=(("measure_lookup", False),),
     )
     check(scenario)
+
+
+@pytest.mark.parametrize("preset", ["balanced", "aggressive", "turbo"])
+def test_bug_two_submodules_switched_to_eval_match_the_validation_entry(preset: str) -> None:
+    """Found by the 1,000-example soak of issue 17: BatchNorm and Dropout both switched to
+    ``eval()`` mid-epoch, under the stance, the root still training. The recorded
+    ``.training`` assertions then matched the validation entry (compiled under
+    ``no_grad``), so the change check found nothing to do, and the stance ran the
+    training entry (neither flag had failed a guard, so neither was a diff guard).
+    Fixed: after a change, the entry the stance would run must accept the call with its
+    full guards, or the call leaves the stance."""
+    e = Event
+    plain = tuple(Step(2) for _ in range(4))
+    scenario = Scenario(
+        preset,
+        (
+            plain,
+            plain,
+            (
+                Step(2),
+                Step(2, (e("sub_mode", "batch", "bn"), e("sub_mode", "batch", "drop"))),
+                Step(2),
+                Step(2),
+            ),
+        ),
+        warmup_steps=0,
+        stable_steps=1,
+        sanity_steps=1,
+        val_sizes=(4,),
+        audit_every=None,
+        guard_kwargs=(("measure_lookup", False),),
+    )
+    check(scenario)

@@ -703,6 +703,15 @@ class GuardEngine:
             self._stop_checking()
             self._rearm(self.run.loop, reason)
             return not target.graph_breaks
+        if reason.endswith(f"; {UNACCEPTED}"):
+            # A change seen before the call (H33): the stance's entry does not accept it.
+            reason = f"{self._label(target)}: {reason.removesuffix(f'; {UNACCEPTED}')}"
+            reason += ": no compiled entry that the stance would run accepts the call"
+            written = "its guards read was written" in reason
+            self._caught(Change.GLOBALS if written else Change.MODULE_STATE, reason)
+            self._stop_checking()
+            self._rearm(self.run.loop, reason)
+            return not target.graph_breaks
         if reason is UNACCEPTED and self.run.checking is None:
             # Turbo checks every call it would run directly (H30), not only unseen batches.
             reason = (
