@@ -50,6 +50,16 @@ def _clean_dynamo():
         "use_recursive_dict_tags_for_guards": cfg.use_recursive_dict_tags_for_guards,
     }
     yield
+    # A CompiledTarget a test made by hand stays installed (and watched) until it is
+    # uninstalled: put every one back, so that the change tracking's wrappers go (H33).
+    from guardtrain import watch
+
+    for target, _, _ in list(watch._targets.values()):
+        uninstall = getattr(target, "uninstall", None)
+        if uninstall is not None:
+            uninstall()
+        else:
+            watch.unwatch(target)
     # Trainer(deterministic=True) sets this process-wide, also from a module-scoped
     # fixture: every test ends with the session's starting value.
     torch.use_deterministic_algorithms(_DETERMINISTIC[0], warn_only=_DETERMINISTIC[1])

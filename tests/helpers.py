@@ -289,11 +289,14 @@ def assert_restored(model: nn.Module | None = None) -> None:
 
     from guardtrain import watch
 
-    assert not watch.patched()
-    assert nn.Module.__setattr__ is watch._module_setattr
-    assert nn.Module.__delattr__ is watch._module_delattr
-    assert RemovableHandle.remove is watch._handle_remove
-    assert not hasattr(nn.Module.register_forward_hook, "__wrapped__")
+    if model is not None:
+        assert not [m for m in model.modules() if id(m) in watch._modules], "still watched"
+    if not watch._targets:  # no CompiledTarget that a test made by hand is installed
+        assert not watch.patched()
+        assert nn.Module.__setattr__ is watch._module_setattr
+        assert nn.Module.__delattr__ is watch._module_delattr
+        assert RemovableHandle.remove is watch._handle_remove
+        assert not hasattr(nn.Module.register_forward_hook, "__wrapped__")
     if model is not None:
         for name, module in model.named_modules():
             assert "forward" not in module.__dict__, (
