@@ -279,11 +279,15 @@ def stance_on() -> bool:
     return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
 
 
+DICT_TAGS_DEFAULT: bool = torch._dynamo.config.use_recursive_dict_tags_for_guards
+"""This torch's default (on in 2.11, off from 2.12 on): what a run leaves behind."""
+
+
 def assert_restored(model: nn.Module | None = None) -> None:
     """No trace of guardtrain: stance, Dynamo config and (with ``model``) instance ``forward``s."""
     assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False
     assert torch._dynamo.config.install_free_tensors is False
-    assert torch._dynamo.config.use_recursive_dict_tags_for_guards is False
+    assert torch._dynamo.config.use_recursive_dict_tags_for_guards is DICT_TAGS_DEFAULT
     if model is not None:
         for name, module in model.named_modules():
             assert "forward" not in module.__dict__, (

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from guardtrain import filters as _filters
+from guardtrain import versions as _versions
 from guardtrain.compile import (
     UNACCEPTED,
     CompiledTarget,
@@ -178,6 +179,7 @@ class GuardEngine:
         self._took_over_told: list[str] = []
         self._dict_tags_warned = False
         self._dict_tags_told = False
+        self._dict_tags_overridden = False
         self._ran = False
         self.compile_cache: dict[str, Any] | None = None
         """The warm start's state (``compile_cache=``), loaded once per engine."""
@@ -351,6 +353,7 @@ class GuardEngine:
                 "(the model is not compiled)."
             )
             return
+        _versions.warn_if_untested(self.host.warn)
         path = self.config.compile_cache
         if path is not None and self.compile_cache is None:  # before anything compiles
             self.compile_cache = warmstart.load(path, self.host, self.config.compile_kwargs)
@@ -420,19 +423,19 @@ class GuardEngine:
                 "recursive_dict_tags", f"needs torch>=2.9 (installed {torch.__version__})"
             )
         else:
-            self.levers.recursive_dict_tags = default if explicit is None else explicit
-            if self.levers.recursive_dict_tags and not default and not self._dict_tags_warned:
+            # torch 2.10 and 2.11 default to True without the segfault fixes (H36).
+            risky = _versions.risky_dict_tags_default()
+            self._dict_tags_overridden = explicit is None and risky
+            on = (default and not risky) if explicit is None else explicit
+            self.levers.recursive_dict_tags = on
+            if on and (not default or risky) and not self._dict_tags_warned:
                 self._dict_tags_warned = True
-                self.host.warn(
-                    "guardtrain: recursive_dict_tags=True turns on Dynamo's "
-                    f"use_recursive_dict_tags_for_guards, which torch {release} leaves "
-                    "off by default: PyTorch switched it off after segfaults in guard "
-                    "evaluation (pytorch/pytorch#181873, #181925). Leave recursive_dict_tags "
-                    "unset to keep torch's default."
-                )
+                self.host.warn(_versions.dict_tags_warning(release, default))
         if not self.levers.recursive_dict_tags and not self._dict_tags_told:
             self._dict_tags_told = True
-            if explicit is None:
+            if self._dict_tags_overridden:
+                why = _versions.dict_tags_override_reason(release)
+            elif explicit is None:
                 why = (
                     f"torch {release}'s default; PyTorch switched them off after "
                     "segfaults, pytorch/pytorch#181873"
@@ -452,6 +455,8 @@ class GuardEngine:
         explicit = self.config.levers.recursive_dict_tags
         if explicit is not None and self.levers.recursive_dict_tags == explicit:
             return {"use_recursive_dict_tags_for_guards": explicit}
+        if self._dict_tags_overridden:
+            return {"use_recursive_dict_tags_for_guards": False}
         return {}
 
     def activate(
