@@ -35,6 +35,7 @@ from torch.utils import _python_dispatch
 
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError, GuardTrainValueError
 from guardtrain.filters import SAVED_TENSORS_HOOKS, GuardFilter, is_rechecked, keep_all
+from guardtrain.guardcheck import check as _guard_check
 
 __all__ = [
     "COMPILE_KWARGS",
@@ -158,6 +159,9 @@ class Assertion:
     """An identity guard on a global (``G[...]``) that the filter dropped (H31): it
     holds for every instance alike, so a change rebuilds the code, never moves one
     member of shared code to code of its own."""
+    code: str = field(default="", compare=False)
+    """Dynamo's own check, from ``GuardFilterEntry.code_parts`` (torch 2.15 on; empty
+    before): named in the messages beside the user's path."""
 
     def holds(self, scope: dict[str, Any]) -> bool:
         """Evaluate the expression now and compare with what was asserted."""
@@ -183,11 +187,18 @@ class Assertion:
             name = user_path(self.name, target, self.name.startswith(_SHARED_NAME))
         else:
             name = self.label or self.name
+        guard = f" (Dynamo's guard: {self.code})" if self.code else ""
         if self.kind == "value":
-            return f"{name}: {self.value!r} -> {current!r}"
+            return f"{name}: {self.value!r} -> {current!r}{guard}"
         if self.kind == "empty":
-            return f"{name}: hooks added ({len(current)})"  # type: ignore[arg-type]
-        return f"{name}: {self.kind} changed"
+            return f"{name}: hooks added ({len(current)}){guard}"  # type: ignore[arg-type]
+        return f"{name}: {self.kind} changed{guard}"
+
+
+def guard_code(entry: Any) -> str:
+    """Dynamo's check for a ``GuardFilterEntry`` (its ``code_parts``, torch 2.15 on), or ""."""
+    parts = getattr(entry, "code_parts", None) or ()
+    return "; ".join(str(p) for p in parts)
 
 
 _SHARED_PREFIX = re.compile(r"(?<![\w.'\"])module\b(?!['\"])")
@@ -252,7 +263,9 @@ def _global_assertions(entry: Any) -> list[Assertion] | None:
             expr = compile(name, "<guard>", "eval")
         except SyntaxError:
             return None
-        a = Assertion(name, kind, value, False, expr, global_path(name), glob=True)
+        a = Assertion(
+            name, kind, value, False, expr, global_path(name), glob=True, code=guard_code(entry)
+        )
         if not a.holds(scope):  # not what Dynamo guarded (another frame's globals)
             return None
         found.append(a)
@@ -535,7 +548,7 @@ class Direct:
         if self.manager is None:
             return True
         root = self.manager.diff_guard_root  # Dynamo rebuilds it when entries change
-        return root is None or bool(root.check(scope()))
+        return root is None or _guard_check(root, scope())
 
 
 class TargetCode:
@@ -678,7 +691,7 @@ class TargetCode:
             except SyntaxError:
                 continue
             label = user_path(name, member.name, self.shared)
-            recorded.append(Assertion(name, kind, value, kept, expr, label))
+            recorded.append(Assertion(name, kind, value, kept, expr, label, code=guard_code(entry)))
         recorded.extend(self._moved(entries, keep, code is not None and code is self.code))
         self.assertions.append(tuple(recorded))
         member.fits = self.generation
@@ -1124,7 +1137,7 @@ class CompiledTarget:
         entries = _cache_entry_list(self.c.code)
         for entry in entries:
             manager = getattr(entry, "guard_manager", None)
-            if manager is not None and manager.check(scope):
+            if manager is not None and _guard_check(manager, scope):
                 return entry, len(entries)
         return None
 

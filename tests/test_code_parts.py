@@ -1,0 +1,55 @@
+"""Dynamo's own guard text (``GuardFilterEntry.code_parts``, torch 2.15 on) in the messages.
+
+A re-check at a boundary or audit (a dropped or stance-skipped guard that changed,
+or a floor guard that no entry passes any more) names the attribute as the user
+knows it and, where torch gives it, the check Dynamo built (H36).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any
+
+import lightning as L
+import pytest
+from helpers import TinyModule, compare, guard
+from torch._dynamo.types import GuardFilterEntry
+
+from guardtrain.compile import Assertion, guard_code
+
+HAS_CODE_PARTS = "code_parts" in {f.name for f in dataclasses.fields(GuardFilterEntry)}
+
+
+def _assertion(code: str) -> Assertion:
+    expr = compile("x.p", "<guard>", "eval")
+    return Assertion("x.p", "value", 0.3, False, expr, "net.drop.p", code=code)
+
+
+def test_guard_code_joins_the_parts() -> None:
+    assert guard_code(types.SimpleNamespace(code_parts=("a == 1", "b is c"))) == "a == 1; b is c"
+    assert guard_code(types.SimpleNamespace(code_parts=())) == ""
+    assert guard_code(types.SimpleNamespace()) == ""  # a torch before 2.15
+
+
+def test_describe_adds_dynamos_guard_when_known() -> None:
+    scope = {"x": types.SimpleNamespace(p=0.0)}
+    assert _assertion("").describe(scope) == "net.drop.p: 0.3 -> 0.0"
+    with_code = _assertion("L['x'].p == 0.3").describe(scope)
+    assert with_code == "net.drop.p: 0.3 -> 0.0 (Dynamo's guard: L['x'].p == 0.3)"
+
+
+class ChangeDropout(L.Callback):
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.current_epoch == 2:
+            pl_module.backbone[3].p = 0.0
+
+
+@pytest.mark.skipif(
+    not HAS_CODE_PARTS, reason="GuardFilterEntry has no code_parts before torch 2.15"
+)
+def test_boundary_message_names_dynamos_guard() -> None:
+    cb, _ = compare(TinyModule, lambda: guard(), extra=lambda: [ChangeDropout()], max_epochs=3)
+    reasons = [r["reason"] for r in cb.summary()["rearms"] if ".p: 0.3 -> 0.0" in r["reason"]]
+    assert reasons, cb.summary()["rearms"]
+    assert all("(Dynamo's guard: " in r and "== 0.3)" in r for r in reasons), reasons
