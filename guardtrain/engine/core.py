@@ -257,11 +257,13 @@ class GuardEngine:
     def _direct_summary(self) -> dict[str, Any]:
         """Direct dispatch (turbo): whether it is on, why not, and how many calls used it."""
         run = self.run
+        refusals = self._direct_refusals() if self.levers.direct_dispatch else []
         return {
             "requested": self.config.levers.direct_dispatch,
-            "on": self.levers.direct_dispatch,
+            "on": self.levers.direct_dispatch
+            and not _every_target_refused([self._label(t) for t in self.kept], refusals),
             "refused": run.direct_refused,
-            "refused_targets": self._direct_refusals() if self.levers.direct_dispatch else [],
+            "refused_targets": refusals,
             "calls": run.direct_calls
             + sum(t.direct_calls for t in self.kept)
             + self.restored.get("direct_calls", 0),
@@ -321,7 +323,12 @@ class GuardEngine:
     # -- a run -------------------------------------------------------------------------------
 
     def setup(
-        self, *, world_size: int = 1, rank: int = 0, swaps_parameters: str | None = None
+        self,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        swaps_parameters: str | None = None,
+        sharded_by_hand: str | None = None,
     ) -> None:
         """Start a run: a fresh phase machine and the levers this torch and strategy allow.
 
@@ -330,6 +337,9 @@ class GuardEngine:
             rank: this process's global rank.
             swaps_parameters: the name of a strategy that swaps parameters around
                 every forward (FSDP): ``install_free_tensors`` is switched off.
+            sharded_by_hand: FSDP2's ``fully_shard`` found on the model without such a
+                strategy (H37): ``install_free_tensors`` is switched off, and direct
+                dispatch is refused per sharded target.
         """
         if self._ran:  # a later run: the summary goes on from the earlier ones
             s = self.summary()
@@ -360,13 +370,14 @@ class GuardEngine:
         self.machine.collective = world_size > 1
         self.run.rank = rank if self.machine.collective else None
         lv = self.levers
-        if lv.install_free_tensors and swaps_parameters is not None:
+        swapper = swaps_parameters or sharded_by_hand
+        if lv.install_free_tensors and swapper is not None:
             # FSDP gathers and frees the full parameters around every forward, and
             # install_free_tensors bakes the parameter objects into the graph (H3).
             lv.install_free_tensors = False
             self._switch_off(
                 "install_free_tensors",
-                f"{swaps_parameters} swaps parameters around every forward, "
+                f"{swapper} swaps parameters around every forward, "
                 "and install_free_tensors freezes parameter identity in the graph",
             )
         self._resolve_dict_tags()
@@ -1107,6 +1118,12 @@ class GuardEngine:
             run.lookup_logged = True
             values["guard/lookup_us"] = run.lookup["steady"]
         self.host.log_metrics(values, self.train_batches())
+
+
+def _every_target_refused(targets: list[str], refusals: list[dict[str, str]]) -> bool:
+    """Whether direct dispatch refused each of ``targets`` (so no call can run directly)."""
+    refused = {r["target"] for r in refusals}
+    return bool(targets) and all(t in refused for t in targets)
 
 
 def _fully_sharded(module: nn.Module) -> str | None:
