@@ -15,8 +15,8 @@ import torch
 
 __all__ = ["check"]
 
-_get_state = torch._C._get_torch_function_state
-_set_state = torch._C._set_torch_function_state
+_get_state = torch._C._get_torch_function_state  # type: ignore[attr-defined]
+_set_state = torch._C._set_torch_function_state  # type: ignore[attr-defined]
 
 
 def check(manager: Any, scope: Any) -> bool:
