@@ -187,12 +187,22 @@ class Assertion:
             name = user_path(self.name, target, self.name.startswith(_SHARED_NAME))
         else:
             name = self.label or self.name
-        guard = f" (Dynamo's guard: {self.code})" if self.code else ""
+        guard = f" (Dynamo's guard: {self._code(target)})" if self.code else ""
         if self.kind == "value":
             return f"{name}: {self.value!r} -> {current!r}{guard}"
         if self.kind == "empty":
             return f"{name}: hooks added ({len(current)}){guard}"  # type: ignore[arg-type]
         return f"{name}: {self.kind} changed{guard}"
+
+    def _code(self, target: str | None) -> str:
+        """Dynamo's check, its sources named as the user knows them (like ``name``)."""
+        text = _LOCAL.sub(r"\1", self.code)
+        if self.glob:
+            return global_path(text)
+        return user_path(text, target or "", self.name.startswith(_SHARED_NAME))
+
+
+_LOCAL = re.compile(r"L\[['\"](\w+)['\"]\]")
 
 
 def guard_code(entry: Any) -> str:
@@ -202,6 +212,7 @@ def guard_code(entry: Any) -> str:
 
 
 _SHARED_PREFIX = re.compile(r"(?<![\w.'\"])module\b(?!['\"])")
+_GETATTRIBUTE = re.compile(r"object\.__getattribute__\(([^,()]+), (['\"])(\w+)\2\)")
 _SUBSCRIPT = re.compile(r"\.(?:_modules|_parameters|_buffers|__dict__)\[(['\"])([^'\"]+)\1\]")
 
 
@@ -212,7 +223,13 @@ def user_path(text: str, target: str, shared: bool = False) -> str:
     text = text.replace(f"{_CLOSURE_NAME}.__self__", target or "self")
     if shared:
         text = _SHARED_PREFIX.sub(target or "self", text)
-    return _SUBSCRIPT.sub(lambda m: "." + m.group(2), text)
+    text = _SUBSCRIPT.sub(lambda m: "." + m.group(2), text)
+    # torch 2.11 writes some attribute reads as `object.__getattribute__(x, 'name')`.
+    while True:
+        plain = _GETATTRIBUTE.sub(r"\1.\3", text)
+        if plain == text:
+            return text
+        text = plain
 
 
 _IMPORTED = re.compile(r"G\['__import_(\w+)'\]")
