@@ -223,8 +223,14 @@ def user_path(text: str, target: str, shared: bool = False) -> str:
     text = text.replace(f"{_CLOSURE_NAME}.__self__", target or "self")
     if shared:
         text = _SHARED_PREFIX.sub(target or "self", text)
-    text = _SUBSCRIPT.sub(lambda m: "." + m.group(2), text)
-    # torch 2.11 writes some attribute reads as `object.__getattribute__(x, 'name')`.
+    return plain_attributes(_SUBSCRIPT.sub(lambda m: "." + m.group(2), text))
+
+
+def plain_attributes(text: str) -> str:
+    """``object.__getattribute__(x, 'a')`` as ``x.a``: how torch 2.11 and 2.12 write some
+    attribute reads in guard sources (a transformers config's ``problem_type``, H25)."""
+    if "__getattribute__" not in text:
+        return text
     while True:
         plain = _GETATTRIBUTE.sub(r"\1.\3", text)
         if plain == text:
@@ -693,7 +699,7 @@ class TargetCode:
         recorded = []
         for entry, kept in zip(entries, keep):
             kind = _RECORDED.get(entry.guard_type)
-            name = entry.name
+            name = plain_attributes(entry.name)
             if kind is None or not entry.has_value or not name.startswith(prefix):
                 continue
             if len(name) > len(prefix) and name[len(prefix)] not in ".[":

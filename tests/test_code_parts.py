@@ -16,7 +16,7 @@ import pytest
 from helpers import TinyModule, compare, guard
 from torch._dynamo.types import GuardFilterEntry
 
-from guardtrain.compile import Assertion, guard_code, user_path
+from guardtrain.compile import Assertion, guard_code, plain_attributes, user_path
 
 HAS_CODE_PARTS = "code_parts" in {f.name for f in dataclasses.fields(GuardFilterEntry)}
 
@@ -88,3 +88,11 @@ def test_boundary_message_names_dynamos_guard() -> None:
 )
 def test_user_path_names_attributes_as_the_user_knows_them(source: str, expected: str) -> None:
     assert user_path(source, "net") == expected
+
+
+def test_plain_attributes_reads_getattribute_as_an_attribute() -> None:
+    """torch 2.11/2.12 name BERT's config.problem_type through object.__getattribute__: the
+    guard is recorded (and re-checked at boundaries) under the plain expression."""
+    source = "object.__getattribute__(bound.__self__.config, 'problem_type')"
+    assert plain_attributes(source) == "bound.__self__.config.problem_type"
+    assert plain_attributes("bound.__self__.p") == "bound.__self__.p"
