@@ -37,6 +37,7 @@ from torch.utils import _python_dispatch
 from guardtrain import watch as _watch
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError, GuardTrainValueError
 from guardtrain.filters import SAVED_TENSORS_HOOKS, GuardFilter, is_rechecked, keep_all
+from guardtrain.guardcheck import check as _guard_check
 from guardtrain.watch import DictVersions
 
 __all__ = [
@@ -161,6 +162,9 @@ class Assertion:
     """An identity guard on a global (``G[...]``) that the filter dropped (H31): it
     holds for every instance alike, so a change rebuilds the code, never moves one
     member of shared code to code of its own."""
+    code: str = field(default="", compare=False)
+    """Dynamo's own check, from ``GuardFilterEntry.code_parts`` (torch 2.15 on; empty
+    before): named in the messages beside the user's path."""
 
     def holds(self, scope: dict[str, Any]) -> bool:
         """Evaluate the expression now and compare with what was asserted."""
@@ -186,14 +190,32 @@ class Assertion:
             name = user_path(self.name, target, self.name.startswith(_SHARED_NAME))
         else:
             name = self.label or self.name
+        guard = f" (Dynamo's guard: {self._code(target)})" if self.code else ""
         if self.kind == "value":
-            return f"{name}: {self.value!r} -> {current!r}"
+            return f"{name}: {self.value!r} -> {current!r}{guard}"
         if self.kind == "empty":
-            return f"{name}: hooks added ({len(current)})"  # type: ignore[arg-type]
-        return f"{name}: {self.kind} changed"
+            return f"{name}: hooks added ({len(current)}){guard}"  # type: ignore[arg-type]
+        return f"{name}: {self.kind} changed{guard}"
+
+    def _code(self, target: str | None) -> str:
+        """Dynamo's check, its sources named as the user knows them (like ``name``)."""
+        text = _LOCAL.sub(r"\1", self.code)
+        if self.glob:
+            return global_path(text)
+        return user_path(text, target or "", self.name.startswith(_SHARED_NAME))
+
+
+_LOCAL = re.compile(r"L\[['\"](\w+)['\"]\]")
+
+
+def guard_code(entry: Any) -> str:
+    """Dynamo's check for a ``GuardFilterEntry`` (its ``code_parts``, torch 2.15 on), or ""."""
+    parts = getattr(entry, "code_parts", None) or ()
+    return "; ".join(str(p) for p in parts)
 
 
 _SHARED_PREFIX = re.compile(r"(?<![\w.'\"])module\b(?!['\"])")
+_GETATTRIBUTE = re.compile(r"object\.__getattribute__\(([^,()]+), (['\"])(\w+)\2\)")
 _SUBSCRIPT = re.compile(r"\.(?:_modules|_parameters|_buffers|__dict__)\[(['\"])([^'\"]+)\1\]")
 
 
@@ -204,7 +226,19 @@ def user_path(text: str, target: str, shared: bool = False) -> str:
     text = text.replace(f"{_CLOSURE_NAME}.__self__", target or "self")
     if shared:
         text = _SHARED_PREFIX.sub(target or "self", text)
-    return _SUBSCRIPT.sub(lambda m: "." + m.group(2), text)
+    return plain_attributes(_SUBSCRIPT.sub(lambda m: "." + m.group(2), text))
+
+
+def plain_attributes(text: str) -> str:
+    """``object.__getattribute__(x, 'a')`` as ``x.a``: how torch 2.11 and 2.12 write some
+    attribute reads in guard sources (a transformers config's ``problem_type``, H25)."""
+    if "__getattribute__" not in text:
+        return text
+    while True:
+        plain = _GETATTRIBUTE.sub(r"\1.\3", text)
+        if plain == text:
+            return text
+        text = plain
 
 
 _IMPORTED = re.compile(r"G\['__import_(\w+)'\]")
@@ -255,7 +289,9 @@ def _global_assertions(entry: Any) -> list[Assertion] | None:
             expr = compile(name, "<guard>", "eval")
         except SyntaxError:
             return None
-        a = Assertion(name, kind, value, False, expr, global_path(name), glob=True)
+        a = Assertion(
+            name, kind, value, False, expr, global_path(name), glob=True, code=guard_code(entry)
+        )
         if not a.holds(scope):  # not what Dynamo guarded (another frame's globals)
             return None
         found.append(a)
@@ -675,7 +711,7 @@ class Direct:
         if self.manager is None:
             return True
         root = self.manager.diff_guard_root  # Dynamo rebuilds it when entries change
-        return root is None or bool(root.check(scope()))
+        return root is None or _guard_check(root, scope())
 
 
 class TargetCode:
@@ -803,7 +839,7 @@ class TargetCode:
         recorded = []
         for entry, kept in zip(entries, keep):
             kind = _RECORDED.get(entry.guard_type)
-            name = entry.name
+            name = plain_attributes(entry.name)
             if kind is None or not entry.has_value or not name.startswith(prefix):
                 continue
             if len(name) > len(prefix) and name[len(prefix)] not in ".[":
@@ -818,7 +854,7 @@ class TargetCode:
             except SyntaxError:
                 continue
             label = user_path(name, member.name, self.shared)
-            recorded.append(Assertion(name, kind, value, kept, expr, label))
+            recorded.append(Assertion(name, kind, value, kept, expr, label, code=guard_code(entry)))
         own_frame = code is not None and code is self.code
         recorded.extend(self._moved(entries, keep, own_frame))
         if own_frame:
@@ -1328,8 +1364,8 @@ class CompiledTarget:
             if manager is None:
                 continue
             diff = getattr(manager, "diff_guard_root", None)
-            if diff is None or diff.check(scope):
-                return manager if manager.check(scope) else None
+            if diff is None or _guard_check(diff, scope):
+                return manager if _guard_check(manager, scope) else None
         return None
 
     def with_full_guards(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1387,7 +1423,7 @@ class CompiledTarget:
         entries = _cache_entry_list(self.c.code)
         for entry in entries:
             manager = getattr(entry, "guard_manager", None)
-            if manager is not None and manager.check(scope):
+            if manager is not None and _guard_check(manager, scope):
                 return entry, len(entries)
         return None
 

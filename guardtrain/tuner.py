@@ -269,6 +269,7 @@ class GuardTuner:
             world_size=agreement.world_size,
             rank=agreement.rank,
             swaps_parameters=self._swapping_strategy(),
+            sharded_by_hand=self._sharded_by_hand(),
         )
         self._engine.activate(self._root, host, root_by_default=True)
         self._entered = True
@@ -311,6 +312,13 @@ class GuardTuner:
         if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
             return type(strategy).__name__
         return None
+
+    def _sharded_by_hand(self) -> str | None:
+        """FSDP2's ``fully_shard`` applied to the model without a Fabric strategy (H37)."""
+        from guardtrain.engine.core import _fully_sharded
+
+        found = _fully_sharded(self._root)
+        return None if found is None else f"FSDP2's fully_shard on {found}"
 
     def _rank_zero(self) -> bool:
         return self._engine.host.agreement.rank == 0

@@ -279,11 +279,38 @@ def stance_on() -> bool:
     return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
 
 
+def _has_code_parts() -> bool:
+    import dataclasses
+
+    from torch._dynamo.types import GuardFilterEntry
+
+    return "code_parts" in {f.name for f in dataclasses.fields(GuardFilterEntry)}
+
+
+HAS_CODE_PARTS: bool = _has_code_parts()
+"""Whether this torch's GuardFilterEntry has ``code_parts`` (2.15 on): re-check messages
+then end with Dynamo's guard, ``(Dynamo's guard: self.temperature == 1.0)``."""
+
+
+def without_dynamos_guard(reason: str, name: str) -> str:
+    """``reason`` without the ``(Dynamo's guard: ...)`` that guardtrain adds where torch has
+    ``code_parts``; asserts that it is there exactly then, naming ``name`` as the user does."""
+    base, sep, code = reason.partition(" (Dynamo's guard: ")
+    assert bool(sep) == HAS_CODE_PARTS, reason
+    if sep:
+        assert name in code and "L[" not in code and "_modules[" not in code, reason
+    return base if not sep else base + code[code.index(")") + 1 :]
+
+
+DICT_TAGS_DEFAULT: bool = torch._dynamo.config.use_recursive_dict_tags_for_guards
+"""This torch's default (on in 2.11, off from 2.12 on): what a run leaves behind."""
+
+
 def assert_restored(model: nn.Module | None = None) -> None:
     """No trace of guardtrain: stance, Dynamo config and (with ``model``) instance ``forward``s."""
     assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False
     assert torch._dynamo.config.install_free_tensors is False
-    assert torch._dynamo.config.use_recursive_dict_tags_for_guards is False
+    assert torch._dynamo.config.use_recursive_dict_tags_for_guards is DICT_TAGS_DEFAULT
     # The change tracking's wrappers are gone (H33): every patched function is torch's own.
     from torch.utils.hooks import RemovableHandle
 

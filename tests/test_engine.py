@@ -180,3 +180,15 @@ def test_engine_without_a_trainer() -> None:
     loaded = torch.load(buffer, weights_only=True)
     assert loaded["guard"] == engine.state_dict()
     assert loaded["guard"]["rearms"][0]["loop"] == "train"
+
+
+def test_direct_dispatch_is_off_when_every_target_is_refused() -> None:
+    """H37: with each target refused (FSDP2's fully_shard), ``direct_dispatch["on"]`` is
+    False; one target left is enough for True."""
+    from guardtrain.engine.core import _every_target_refused
+
+    refused = [{"target": "blocks.0", "why": "sharded"}, {"target": "blocks.1", "why": "sharded"}]
+    assert _every_target_refused(["blocks.0", "blocks.1"], refused) is True
+    assert _every_target_refused(["blocks.0", "blocks.1", "head"], refused) is False
+    assert _every_target_refused(["head"], []) is False
+    assert _every_target_refused([], refused) is False  # nothing compiled yet

@@ -28,7 +28,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from guardtrain import GuardTuner
+from guardtrain import GuardTuner, versions
 from guardtrain.engine import GuardEngine
 from guardtrain.engine.config import make_config
 
@@ -151,6 +151,11 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_each_per_call_check_sends_a_changed_call_the_normal_way(case: str) -> None:
+    if case == "torch-function mode" and versions.release() < (2, 12):
+        pytest.skip(
+            "torch 2.11's Dynamo raises 'Guard failed on the same frame it was created' "
+            "under a torch-function mode that counts its calls, also for plain torch.compile"
+        )
     model = Scaled()
     eager = copy.deepcopy(model)
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))

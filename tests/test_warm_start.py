@@ -239,6 +239,19 @@ def test_torch_refusing_the_payload_warns_once(
     assert path.exists()  # nothing recorded: the file is left as it was
 
 
+def test_a_bad_inductor_entry_is_named_before_torch_writes_it(
+    artifacts: Callable[[], None],
+) -> None:
+    """torch 2.15 writes a bad entry without reading it (earlier versions raised): guardtrain
+    unpickles the Inductor entries itself, so every torch refuses the file at load (H36)."""
+    assert "'fbadentry' does not unpickle" in (warmstart.unreadable_entry(_bad_entry()) or "")
+    artifacts()
+    saved = torch.compiler.save_cache_artifacts()
+    assert saved is not None
+    assert warmstart.unreadable_entry(saved[0]) is None
+    assert warmstart.unreadable_entry(b"\x00" * 64) is None  # not torch's format: torch decides
+
+
 def test_caches_off_warns_and_saves_nothing(artifacts: Callable[[], None], tmp_path: Path) -> None:
     artifacts()
     path = tmp_path / "compile.bin"

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from guardtrain import filters as _filters
+from guardtrain import versions as _versions
 from guardtrain.compile import (
     UNACCEPTED,
     UNSEEN_ARGUMENTS,
@@ -186,6 +187,7 @@ class GuardEngine:
         self._took_over_told: list[str] = []
         self._dict_tags_warned = False
         self._dict_tags_told = False
+        self._dict_tags_overridden = False
         self._ran = False
         self.compile_cache: dict[str, Any] | None = None
         """The warm start's state (``compile_cache=``), loaded once per engine."""
@@ -265,11 +267,13 @@ class GuardEngine:
     def _direct_summary(self) -> dict[str, Any]:
         """Direct dispatch (turbo): whether it is on, why not, and how many calls used it."""
         run = self.run
+        refusals = self._direct_refusals() if self.levers.direct_dispatch else []
         return {
             "requested": self.config.levers.direct_dispatch,
-            "on": self.levers.direct_dispatch,
+            "on": self.levers.direct_dispatch
+            and not _every_target_refused([self._label(t) for t in self.kept], refusals),
             "refused": run.direct_refused,
-            "refused_targets": self._direct_refusals() if self.levers.direct_dispatch else [],
+            "refused_targets": refusals,
             "calls": run.direct_calls
             + sum(t.direct_calls for t in self.kept)
             + self.restored.get("direct_calls", 0),
@@ -329,7 +333,12 @@ class GuardEngine:
     # -- a run -------------------------------------------------------------------------------
 
     def setup(
-        self, *, world_size: int = 1, rank: int = 0, swaps_parameters: str | None = None
+        self,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        swaps_parameters: str | None = None,
+        sharded_by_hand: str | None = None,
     ) -> None:
         """Start a run: a fresh phase machine and the levers this torch and strategy allow.
 
@@ -338,6 +347,9 @@ class GuardEngine:
             rank: this process's global rank.
             swaps_parameters: the name of a strategy that swaps parameters around
                 every forward (FSDP): ``install_free_tensors`` is switched off.
+            sharded_by_hand: FSDP2's ``fully_shard`` found on the model without such a
+                strategy (H37): ``install_free_tensors`` is switched off, and direct
+                dispatch is refused per sharded target.
         """
         if self._ran:  # a later run: the summary goes on from the earlier ones
             s = self.summary()
@@ -361,19 +373,21 @@ class GuardEngine:
                 "(the model is not compiled)."
             )
             return
+        _versions.warn_if_untested(self.host.warn)
         path = self.config.compile_cache
         if path is not None and self.compile_cache is None:  # before anything compiles
             self.compile_cache = warmstart.load(path, self.host, self.config.compile_kwargs)
         self.machine.collective = world_size > 1
         self.run.rank = rank if self.machine.collective else None
         lv = self.levers
-        if lv.install_free_tensors and swaps_parameters is not None:
+        swapper = swaps_parameters or sharded_by_hand
+        if lv.install_free_tensors and swapper is not None:
             # FSDP gathers and frees the full parameters around every forward, and
             # install_free_tensors bakes the parameter objects into the graph (H3).
             lv.install_free_tensors = False
             self._switch_off(
                 "install_free_tensors",
-                f"{swaps_parameters} swaps parameters around every forward, "
+                f"{swapper} swaps parameters around every forward, "
                 "and install_free_tensors freezes parameter identity in the graph",
             )
         self._resolve_dict_tags()
@@ -430,19 +444,19 @@ class GuardEngine:
                 "recursive_dict_tags", f"needs torch>=2.9 (installed {torch.__version__})"
             )
         else:
-            self.levers.recursive_dict_tags = default if explicit is None else explicit
-            if self.levers.recursive_dict_tags and not default and not self._dict_tags_warned:
+            # torch 2.10 and 2.11 default to True without the segfault fixes (H36).
+            risky = _versions.risky_dict_tags_default()
+            self._dict_tags_overridden = explicit is None and risky
+            on = (default and not risky) if explicit is None else explicit
+            self.levers.recursive_dict_tags = on
+            if on and (not default or risky) and not self._dict_tags_warned:
                 self._dict_tags_warned = True
-                self.host.warn(
-                    "guardtrain: recursive_dict_tags=True turns on Dynamo's "
-                    f"use_recursive_dict_tags_for_guards, which torch {release} leaves "
-                    "off by default: PyTorch switched it off after segfaults in guard "
-                    "evaluation (pytorch/pytorch#181873, #181925). Leave recursive_dict_tags "
-                    "unset to keep torch's default."
-                )
+                self.host.warn(_versions.dict_tags_warning(release, default))
         if not self.levers.recursive_dict_tags and not self._dict_tags_told:
             self._dict_tags_told = True
-            if explicit is None:
+            if self._dict_tags_overridden:
+                why = _versions.dict_tags_override_reason(release)
+            elif explicit is None:
                 why = (
                     f"torch {release}'s default; PyTorch switched them off after "
                     "segfaults, pytorch/pytorch#181873"
@@ -462,6 +476,8 @@ class GuardEngine:
         explicit = self.config.levers.recursive_dict_tags
         if explicit is not None and self.levers.recursive_dict_tags == explicit:
             return {"use_recursive_dict_tags_for_guards": explicit}
+        if self._dict_tags_overridden:
+            return {"use_recursive_dict_tags_for_guards": False}
         return {}
 
     def activate(
@@ -1166,6 +1182,12 @@ class GuardEngine:
             run.lookup_logged = True
             values["guard/lookup_us"] = run.lookup["steady"]
         self.host.log_metrics(values, self.train_batches())
+
+
+def _every_target_refused(targets: list[str], refusals: list[dict[str, str]]) -> bool:
+    """Whether direct dispatch refused each of ``targets`` (so no call can run directly)."""
+    refused = {r["target"] for r in refusals}
+    return bool(targets) and all(t in refused for t in targets)
 
 
 def _fully_sharded(module: nn.Module) -> str | None:

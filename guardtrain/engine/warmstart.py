@@ -104,6 +104,35 @@ def decode(data: bytes) -> bytes:
     return payload
 
 
+def unreadable_entry(payload: bytes) -> str | None:
+    """The first Inductor entry in torch's ``payload`` that does not unpickle, named, or None.
+
+    Through torch 2.14, ``load_cache_artifacts`` unpickles each Inductor entry (to
+    find its Triton bundle) and raises on a bad one; torch 2.15 writes the bytes
+    as they are and meets a bad entry only when a compile looks it up (a warning
+    in torch's log, and a cold compile). guardtrain unpickles them itself, as 2.14
+    did, so every torch refuses such a file at load with one warning. None also
+    when torch's artifacts cannot be listed here: ``load_cache_artifacts`` decides.
+    """
+    import pickle
+
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+
+        artifacts = CacheArtifactManager.deserialize(payload)
+    except Exception:
+        return None
+    for artifact in (artifacts or {}).get("inductor", ()):
+        try:
+            pickle.loads(artifact.content)
+        except Exception as err:
+            return (
+                f"Inductor entry {getattr(artifact, 'key', '?')!r} does not unpickle: "
+                f"{type(err).__name__}: {err}"
+            )
+    return None
+
+
 def counts(info: Any) -> dict[str, int]:
     """Artifacts per cache (``inductor``, ``aot_autograd``, ...) in a ``CacheInfo``."""
     artifacts = getattr(info, "artifacts", None) or {}
@@ -189,6 +218,9 @@ def load(path: str, host: Host, compile_kwargs: dict[str, Any]) -> dict[str, Any
     try:
         payload = decode(data)
         with _quiet_torch_cache_log():
+            bad = unreadable_entry(payload)
+            if bad is not None:
+                raise RejectedFile(f"torch could not load it ({bad})")
             info = torch.compiler.load_cache_artifacts(payload)
     except RejectedFile as err:
         return _rejected(status, host, str(err))
