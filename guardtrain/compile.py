@@ -1565,7 +1565,8 @@ class CompiledTarget:
         if self._on_change is not None:
             self._on_change(self, note)
         if self.fast and self._stance_choice(args, kwargs) is None:
-            self._on_miss(self, f"{note}; {UNACCEPTED}")
+            # In a batch with an unseen signature (H26) that is what the call is new in.
+            self._on_miss(self, UNACCEPTED if self.checking else f"{note}; {UNACCEPTED}")
         self.versions.reset()
         if self.installed:
             self._watch()

@@ -261,7 +261,7 @@ def patched() -> bool:
 def watch(target: Watched, modules: Iterable[nn.Module]) -> None:
     """Mark ``target`` whenever one of ``modules`` changes (replacing an earlier watch)."""
     global _patches
-    unwatch(target)
+    _forget(target)  # the wrappers stay: removing and installing them writes namespaces
     module_ids: list[int] = []
     dict_ids: list[int] = []
     for module in modules:
@@ -284,6 +284,13 @@ def watch(target: Watched, modules: Iterable[nn.Module]) -> None:
 def unwatch(target: Watched) -> None:
     """Stop watching for ``target``; the last one removes the wrappers."""
     global _patches
+    _forget(target)
+    if not _targets and _patches is not None:
+        _patches.remove()
+        _patches = None
+
+
+def _forget(target: Watched) -> None:
     found = _targets.pop(id(target), None)
     if found is None:
         return
@@ -296,9 +303,6 @@ def unwatch(target: Watched) -> None:
             targets[:] = [t for t in targets if t is not target]
             if not targets:
                 del table[key]
-    if not _targets and _patches is not None:
-        _patches.remove()
-        _patches = None
 
 
 class DictVersions:
