@@ -31,9 +31,14 @@ if TYPE_CHECKING:
 EAGER = {"backend": "eager"}
 
 
-LEFT_THE_STANCE = ("stance miss", "direct dispatch: no compiled entry")
+LEFT_THE_STANCE = (
+    "stance miss",
+    "direct dispatch: no compiled entry",
+    "no compiled entry that the stance would run accepts the call",
+)
 """How a re-arm reason says a call left the stance because no entry fitted it: Dynamo's
-miss under the stance, or turbo's own guard evaluation before it runs one directly."""
+miss under the stance, turbo's own guard evaluation before it runs one directly, or the
+check after a change (H33) finding that the entry the stance would run refuses the call."""
 
 
 def left_the_stance(reason: str) -> bool:
