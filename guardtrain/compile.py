@@ -1564,7 +1564,7 @@ class CompiledTarget:
         self.change_note = None
         if self._on_change is not None:
             self._on_change(self, note)
-        if self.fast and self._stance_choice(args, kwargs) is None:
+        if self.fast and not self.retry_eagerly and self._stance_choice(args, kwargs) is None:
             # In a batch with an unseen signature (H26) that is what the call is new in.
             self._on_miss(self, UNACCEPTED if self.checking else f"{note}; {UNACCEPTED}")
         self.versions.reset()
@@ -1584,8 +1584,12 @@ class CompiledTarget:
         if found is None:
             return self.with_full_guards(args, kwargs)  # no key describes the arguments
         key, tensors = found
-        if (key != self.last_key or mode != self.last_mode) and not self.admit(
-            mode, key, args, kwargs
+        # With guard collectives (retry_eagerly) a check on this rank alone would break
+        # the pairing of collectives: Dynamo's shared misses decide there.
+        if (
+            (key != self.last_key or mode != self.last_mode)
+            and not self.retry_eagerly
+            and not self.admit(mode, key, args, kwargs)
         ):
             if (self.last_key is not None and key != self.last_key) or any(
                 type(e) is tuple for e in key

@@ -160,6 +160,8 @@ class RunState:
     """Changes caught before a call (H32-H35), by kind."""
     full_guard_calls: int = 0
     """Calls with full guards under the stance by targets no longer in the run."""
+    swaps_parameters: str | None = None
+    """The strategy (or ``fully_shard``) that swaps parameter objects around every forward."""
     stance_at_start: bool = False
     """The stance was on when the current training batch started."""
     audit_batch: bool = False
@@ -381,6 +383,7 @@ class GuardEngine:
         self.run.rank = rank if self.machine.collective else None
         lv = self.levers
         swapper = swaps_parameters or sharded_by_hand
+        self.run.swaps_parameters = swapper
         if lv.install_free_tensors and swapper is not None:
             # FSDP gathers and frees the full parameters around every forward, and
             # install_free_tensors bakes the parameter objects into the graph (H3).
@@ -698,13 +701,18 @@ class GuardEngine:
             return
         if self._paired():
             # A rebuild or a miss on one rank alone would break the pairing of guard
-            # collectives: the next batch's boundary check acts on every rank together.
-            run.pending.add(run.loop or TRAIN)
+            # collectives, and so would a boundary check that only this rank runs: the
+            # change waits for the next boundary or audit, which every rank runs together.
             return
         found = decide(target, target.fast)
         if found is None:
             return
         action, kind, reason = found
+        if kind is Change.PARAMETERS and run.swaps_parameters and not target.install_free_tensors:
+            # FSDP swaps the parameter objects around every forward by design; without
+            # install_free_tensors they are graph inputs, read afresh by every call.
+            target.reference = None  # taken again after the next compile
+            return
         self._caught(kind, f"{self._label(target)}: {reason} ({note})")
         if action is Action.LEAVE:
             self._stop_checking()
