@@ -55,7 +55,7 @@ def _hints(config: type) -> dict[str, Any]:
     them stay (``GuardFilter`` names ``GuardFilterEntry``, a type that only checkers import)."""
     namespace = vars(sys.modules[config.__module__])
     return {
-        f.name: eval(f.type, namespace) if isinstance(f.type, str) else f.type  # noqa: S307
+        f.name: eval(f.type, namespace) if isinstance(f.type, str) else f.type
         for f in dataclasses.fields(config)
     }
 

@@ -27,7 +27,7 @@ import sys
 from dataclasses import field, make_dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.config_store import ConfigStore
@@ -55,7 +55,7 @@ class GuardTrainSearchPathPlugin(SearchPathPlugin):
         search_path.append(provider="guardtrain", path=SEARCH_PATH)
 
 
-def _load_arguments() -> Optional[ModuleType]:
+def _load_arguments() -> ModuleType | None:
     """``guardtrain/arguments.py``, loaded by its path: nothing else of guardtrain runs."""
     spec = importlib.util.find_spec("guardtrain")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
@@ -73,7 +73,7 @@ def _load_arguments() -> Optional[ModuleType]:
 
 
 #: Annotation names of ``GuardConfig`` that YAML holds as another type.
-_ALIASES: Dict[str, Any] = {"PresetName": str, "bool": bool, "int": int, "float": float, "str": str}
+_ALIASES: dict[str, Any] = {"PresetName": str, "bool": bool, "int": int, "float": float, "str": str}
 
 
 def _yaml_type(annotation: str) -> Any:
@@ -83,7 +83,7 @@ def _yaml_type(annotation: str) -> Any:
     ``str``, ``list[str]``, ``dict[str, Any]``): one member is that type, several
     are ``Any``; ``None`` makes it optional. ``os.PathLike`` and callables drop out.
     """
-    members: List[ast.expr] = []
+    members: list[ast.expr] = []
     todo = [ast.parse(annotation, mode="eval").body]
     while todo:
         node = todo.pop()
@@ -92,20 +92,20 @@ def _yaml_type(annotation: str) -> Any:
         else:
             members.append(node)
     optional = any(isinstance(m, ast.Constant) and m.value is None for m in members)
-    kept: List[Any] = []
+    kept: list[Any] = []
     for m in members:
         text = ast.unparse(m)
         if text in _ALIASES:
             kept.append(_ALIASES[text])
         elif text.startswith("dict["):
-            kept.append(Dict[str, Any])
+            kept.append(dict[str, Any])
         elif text.startswith("list["):
-            kept.append(List[str])
+            kept.append(list[str])
     found: Any = kept[0] if len(kept) == 1 else Any
-    return Optional[found] if optional and found is not Any else found
+    return found | None if optional and found is not Any else found
 
 
-def _schema() -> Optional[type]:
+def _schema() -> type | None:
     """:class:`GuardTuneConf`, one field per argument of ``GuardConfig`` (None: not found)."""
     arguments = _load_arguments()
     spec = importlib.util.find_spec("guardtrain")
@@ -113,7 +113,7 @@ def _schema() -> Optional[type]:
         return None
     root = Path(next(iter(spec.submodule_search_locations)))
     source = (root / "engine" / "config.py").read_text(encoding="utf-8")
-    fields: List[Tuple[str, Any, Any]] = [
+    fields: list[tuple[str, Any, Any]] = [
         ("_target_", str, field(default="guardtrain.GuardTuneCallback")),
         ("_convert_", str, field(default="all")),
     ]
