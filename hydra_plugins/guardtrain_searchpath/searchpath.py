@@ -55,12 +55,16 @@ class GuardTrainSearchPathPlugin(SearchPathPlugin):
         search_path.append(provider="guardtrain", path=SEARCH_PATH)
 
 
-def _load_arguments() -> ModuleType | None:
-    """``guardtrain/arguments.py``, loaded by its path: nothing else of guardtrain runs."""
-    spec = importlib.util.find_spec("guardtrain")  # finds the package without importing it
+def _package_root() -> Path | None:
+    """The folder of the installed ``guardtrain`` package, found without importing it."""
+    spec = importlib.util.find_spec("guardtrain")
     if spec is None or not spec.submodule_search_locations:
         return None
-    root = Path(next(iter(spec.submodule_search_locations)))
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _load_arguments(root: Path) -> ModuleType | None:
+    """``guardtrain/arguments.py``, loaded by its path: nothing else of guardtrain runs."""
     loader = importlib.util.spec_from_file_location(
         "_guardtrain_searchpath_arguments", root / "arguments.py"
     )
@@ -107,11 +111,10 @@ def _yaml_type(annotation: str) -> Any:
 
 def _schema() -> type | None:
     """:class:`GuardTuneConf`, one field per argument of ``GuardConfig`` (None: not found)."""
-    arguments = _load_arguments()
-    spec = importlib.util.find_spec("guardtrain")
-    if arguments is None or spec is None or not spec.submodule_search_locations:
+    root = _package_root()
+    arguments = None if root is None else _load_arguments(root)
+    if root is None or arguments is None:
         return None
-    root = Path(next(iter(spec.submodule_search_locations)))
     source = (root / "engine" / "config.py").read_text(encoding="utf-8")
     fields: list[tuple[str, Any, Any]] = [
         ("_target_", str, field(default="guardtrain.GuardTuneCallback")),
