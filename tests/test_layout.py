@@ -86,26 +86,42 @@ def _exempt(lines: list[str], start: int, complexity: int) -> bool:
     return found is not None and int(found.group(1)) == complexity
 
 
+def _complexity_offenders(text: str) -> list[tuple[int, str, int]]:
+    """``(line, name, complexity)`` of each function above the limit and not exempted."""
+    lines = text.splitlines()
+    starts = _def_starts(ast.parse(text))
+    return sorted(
+        (block.lineno, block.fullname, block.complexity)
+        for block in _functions(text)
+        if block.complexity > MAX_COMPLEXITY
+        and not _exempt(lines, starts.get(block.lineno, block.lineno), block.complexity)
+    )
+
+
 def test_no_function_above_the_complexity_limit() -> None:
     pytest.importorskip("radon", reason="the complexity limit is measured with radon (dev extra)")
-
-    offenders = []
-    for path in _files():
-        text = path.read_text(encoding="utf-8")
-        lines = text.splitlines()
-        starts = _def_starts(ast.parse(text))
-        for block in _functions(text):
-            if block.complexity <= MAX_COMPLEXITY:
-                continue
-            if _exempt(lines, starts.get(block.lineno, block.lineno), block.complexity):
-                continue
-            offenders.append(
-                f"{_rel(path)}:{block.lineno:>5} {block.fullname}: CC {block.complexity}"
-            )
+    offenders = [
+        f"{_rel(path)}:{line} {name}: CC {cc}"
+        for path in _files()
+        for line, name, cc in _complexity_offenders(path.read_text(encoding="utf-8"))
+    ]
     assert not offenders, (
         f"functions and closures above cyclomatic complexity {MAX_COMPLEXITY} (split them, or "
         "put `# Complexity N: why` directly above the def):\n" + "\n".join(offenders)
     )
+
+
+def test_the_complexity_comment_exempts_only_its_function() -> None:
+    pytest.importorskip("radon", reason="the complexity limit is measured with radon (dev extra)")
+    branches = "".join(f"    if x == {i}:\n        return {i}\n" for i in range(16))
+    body = f"def f(x):\n{branches}    return -1\n"
+    assert _complexity_offenders(body) == [(1, "f", 17)]
+    assert _complexity_offenders("# Complexity 17: one table.\n" + body) == []
+    assert _complexity_offenders("# Complexity 16: stale.\n" + body) == [(2, "f", 17)]
+    decorated = "# Complexity 17: one table.\n@staticmethod\n" + body
+    assert _complexity_offenders(decorated) == []
+    closure = "def outer():\n" + "".join("    " + ln + "\n" for ln in body.splitlines())
+    assert _complexity_offenders(closure) == [(2, "outer.f", 17)]
 
 
 def _module_name(path: Path) -> str:
