@@ -44,10 +44,12 @@ class Accepts:
 
 
 def _accepted(hint: Any) -> Any:
+    """The type an argument takes: ``Wider`` of ``Annotated[Held, Accepts(Wider)]``, ``Held``
+    of another ``Annotated``, else the hint itself."""
     for extra in getattr(hint, "__metadata__", ()):
         if isinstance(extra, Accepts):
             return extra.type
-    return getattr(hint, "__origin__", hint) if hasattr(hint, "__metadata__") else hint
+    return hint.__origin__ if hasattr(hint, "__metadata__") else hint
 
 
 def _hints(config: type) -> dict[str, Any]:
@@ -177,11 +179,17 @@ def _default(node: ast.expr | None) -> tuple[Any, bool]:
         init = options.get("init")
         meta = options.get("metadata")
         argument = not (isinstance(init, ast.Constant) and init.value is False)
-        if meta is not None and "'argument': False" in ast.unparse(meta):
-            argument = False
+        if isinstance(meta, ast.Dict):
+            pairs = zip(meta.keys, meta.values)
+            if any(_literal(k) == "argument" and _literal(v) is False for k, v in pairs):
+                argument = False
         value = options.get("default")
         return (ast.literal_eval(value) if value is not None else _P.empty), argument
     return ast.literal_eval(node), True
+
+
+def _literal(node: ast.expr | None) -> Any:
+    return node.value if isinstance(node, ast.Constant) else None
 
 
 def document_arguments(doc: str | None, config: type, marker: str = "{arguments}") -> str | None:
