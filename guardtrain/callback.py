@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -10,31 +9,17 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from guardtrain import filters as _filters
+from guardtrain.arguments import adapter_init, argument_parameters, document_arguments
 from guardtrain.engine.agreement import ReduceAgreement
-from guardtrain.engine.config import DISABLE_ENV, GuardConfig, make_config
+from guardtrain.engine.config import DISABLE_ENV, GuardConfig
 from guardtrain.engine.core import GuardEngine, Host
 from guardtrain.engine.phases import Loop
 from guardtrain.errors import GuardTrainValueError
-from guardtrain.presets import GuardPreset, PresetName
+from guardtrain.presets import GuardPreset
 
 __all__ = ["DISABLE_ENV", "GuardTuneCallback"]
 
 _TRAIN, _VALIDATE, _TEST, _PREDICT = (loop.value for loop in Loop)
-_ARGUMENTS = frozenset(
-    {
-        "unsafe_drop_floor",
-        "log_metrics",
-        "audit_every",
-        "verify_every",
-        "verify_rtol",
-        "verify_atol",
-        "guard_collectives",
-        "measure_lookup",
-        "lookup_window",
-        "compile_cache",
-    }
-)
 
 
 class GuardTuneCallback(Callback):
@@ -72,92 +57,7 @@ class GuardTuneCallback(Callback):
       its parts (H20).
 
     Args:
-        preset: ``"off"``, ``"safe"``, ``"balanced"``, ``"aggressive"`` or ``"turbo"`` (see
-            :data:`guardtrain.PRESETS`). Explicit arguments below override it.
-        warmup_steps: training batches with full guards before the stance (preset: 20).
-        stable_steps: the last ``stable_steps`` batches must not have compiled (preset: 10).
-        targets: ``None`` (the network the LightningModule delegates to, when it
-            has exactly one child with parameters; else the LightningModule), or
-            submodule names / glob patterns (``"blocks.*"``, outermost matches).
-            ``""`` names the LightningModule itself.
-        compile_kwargs: ``backend``, ``mode``, ``fullgraph``, ``dynamic``,
-            ``options`` for ``torch.compile``.
-        guard_filter: a filter name from :mod:`guardtrain.filters`, a callable
-            ``guard_filter_fn``, or a list of them; replaces the preset's filter.
-            It is combined with the soundness floor.
-        install_free_tensors: compile with ``install_free_tensors``.
-        recursive_dict_tags: ``use_recursive_dict_tags_for_guards`` during the run;
-            ``None`` (every preset) leaves torch's default (off since torch 2.12,
-            after segfaults: pytorch/pytorch#181873). ``True`` where torch's
-            default is off warns once.
-        use_stance: enter the unsafe stance once a loop is warm.
-        direct_dispatch: in the steady state, run each compiled call's cache entry
-            directly, below Dynamo's entry path (preset ``turbo``). Each call is
-            checked first: its ``(training, grad, inference mode, autocast)``
-            mode, Dynamo's global-state guard, the input tensors' dtype, device,
-            ``requires_grad``, sizes, strides and dispatch keys, which arguments
-            are one tensor, the values of non-tensor arguments, no active compile
-            callback, torch-function mode or saved-tensor hooks, that the entry is
-            still in Dynamo's cache, and, where a mode has several entries, the
-            guards that tell them apart (what the stance evaluates); a call that
-            fails one takes the normal path. Cost: about 1.5-2.5 µs per compiled
-            call (2 µs more with several entries for a mode), against Dynamo's
-            entry path of tens of µs per frame (docs/bench.md). The entry for a mode is
-            the one that Dynamo's own guards accept for the first steady call of
-            that mode, chosen again after every boundary, audit and re-arm.
-            Refused (the summary says why) for a target with graph breaks, under
-            FSDP (``FSDPStrategy``, ``ModelParallelStrategy``, ``fully_shard``),
-            and with ``guard_collectives=True``. Needs ``use_stance``.
-        unsafe_drop_floor: do not combine the guard filter with the soundness
-            floor. Unsafe: ``eval()`` or a new dtype may then silently reuse code.
-        log_metrics: log ``guard/phase``, ``guard/compiles`` and ``guard/rearms``
-            through the Trainer's loggers when they change.
-        audit_every: every ``audit_every`` steady training batches, repeat the
-            boundary re-check inside the epoch and run one batch with full guards;
-            a compile in that batch means an assumption of the stance broke (a
-            global read in ``forward`` changed, say): re-arm with its reason.
-            ``None`` disables audits. Cost: one batch with full guards (tens to
-            hundreds of µs of guard evaluation) and one walk over the parameters
-            per audit; at the default of 200 that is well under 1 µs per step.
-        verify_every: every ``verify_every`` steady training batches, run the eager
-            ``forward`` beside the compiled one (same RNG state and buffers, under
-            ``no_grad``) and rebuild the target with a report when the outputs
-            differ beyond ``verify_rtol``/``verify_atol``. Off by default: each
-            verified batch costs one more eager forward and one copy of the
-            buffers (measured: a 24-module MLP's compiled call went from 721 to
-            1727 µs, eager backend, CPU). With inductor, random ops (dropout) in training mode draw
-            differently from eager unless ``torch._inductor.config.fallback_random``.
-        verify_rtol: relative tolerance of ``verify_every``.
-        verify_atol: absolute tolerance of ``verify_every``.
-        guard_collectives: with several processes, turn on
-            ``torch.compiler.set_enable_guard_collectives`` in the training loop once
-            the ranks first entered the stance together, so they agree on every
-            guard failure. Cost: one ``all_gather_object`` per compiled call (measured
-            on 2 CPU processes with gloo: about +2.6 ms per call, 15x a whole call
-            under the stance); targets are rebuilt on all ranks together, and a
-            stance miss (on any rank) is retried with the plain ``forward``.
-        measure_lookup: ``None`` (default): on in single-process runs, off with
-            several processes (a DDP child process once ended with "terminate
-            called without an active exception" after a run that had profiled).
-            When on: when training first enters the stance, profile
-            ``lookup_window`` batches with full guards and then as many under the
-            stance, and report Dynamo's guard and pre-graph µs per step for both
-            (``summary()["lookup_us"]``, the logged ``guard/lookup_us``). Skipped
-            when another profiler is running. Cost, once per run: about 1 ms to
-            start and stop the profiler plus about 1.5 ms per profiled compiled
-            call, and calls about 12% slower inside the windows (measured on the
-            CPU; ``guardtrain.overhead``).
-        lookup_window: batches per measuring window.
-        compile_cache: a file for PyTorch's compile-cache artifacts (warm start);
-            ``None`` (default): off. At setup every rank loads it
-            (``torch.compiler.load_cache_artifacts``) before anything compiles; at
-            the end of the run rank zero saves this process's artifacts there
-            (``torch.compiler.save_cache_artifacts``, written atomically; the folder
-            is created). A second run on a fresh machine then skips Inductor's and
-            AOTAutograd's work (not the C++ compiler's on the CPU). Only the inductor
-            backend records artifacts. A missing file logs one INFO line; a corrupt
-            file or one saved by another torch or Python warns and compiles cold.
-            ``summary()["compile_cache"]`` says what was loaded, hit and saved.
+        {arguments}
 
     Raises:
         GuardTrainValueError: an unknown preset or filter name, a negative step
@@ -173,32 +73,11 @@ class GuardTuneCallback(Callback):
         trainer.fit(model, datamodule=dm)  # model: a plain, uncompiled LightningModule
     """
 
-    def __init__(
-        self,
-        preset: PresetName = "balanced",
-        *,
-        warmup_steps: int | None = None,
-        stable_steps: int | None = None,
-        targets: str | list[str] | None = None,
-        compile_kwargs: dict[str, Any] | None = None,
-        guard_filter: str | list[str] | _filters.GuardFilter | None = None,
-        install_free_tensors: bool | None = None,
-        recursive_dict_tags: bool | None = None,
-        use_stance: bool | None = None,
-        direct_dispatch: bool | None = None,
-        unsafe_drop_floor: bool = False,
-        log_metrics: bool = True,
-        audit_every: int | None = 200,
-        verify_every: int | None = None,
-        verify_rtol: float = 1e-4,
-        verify_atol: float = 1e-6,
-        guard_collectives: bool = False,
-        measure_lookup: bool | None = None,
-        lookup_window: int = 3,
-        compile_cache: str | os.PathLike[str] | None = None,
-    ) -> None:
-        arguments = {k: v for k, v in locals().items() if k != "self"}  # as passed
-        self.config: GuardConfig = make_config(**arguments)
+    __init__ = adapter_init(GuardConfig, owner="GuardTuneCallback", module=__name__)
+
+    def _configure(self, *, arguments: dict[str, Any]) -> None:
+        """The generated ``__init__``'s body: ``arguments`` are the config's fields."""
+        self.config: GuardConfig = GuardConfig(**arguments)
         self._engine = GuardEngine(self.config, self._host(None))
 
     # -- public ------------------------------------------------------------------------------
@@ -223,7 +102,7 @@ class GuardTuneCallback(Callback):
     def __getattr__(self, name: str) -> Any:
         """The other constructor arguments, as validated (``audit_every``, ...)."""
         config = self.__dict__.get("config")
-        if config is not None and name in _ARGUMENTS:
+        if config is not None and name in _OTHER_ARGUMENTS:
             return getattr(config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -400,3 +279,12 @@ class GuardTuneCallback(Callback):
     @override
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._engine.loop_end(_PREDICT)
+
+
+GuardTuneCallback.__doc__ = document_arguments(GuardTuneCallback.__doc__, GuardConfig)
+#: The constructor arguments read through ``__getattr__``: neither a preset lever nor a property.
+_OTHER_ARGUMENTS = frozenset(
+    p.name
+    for p in argument_parameters(GuardConfig)
+    if p.name not in GuardPreset.__dataclass_fields__ and not hasattr(GuardTuneCallback, p.name)
+)

@@ -22,25 +22,26 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
-import os
 import warnings
 from types import TracebackType
 from typing import Any
 
 from torch import nn
 
-from guardtrain import filters as _filters
+from guardtrain.arguments import adapter_init, document_arguments
 from guardtrain.engine.agreement import RankAgreement, ReduceAgreement, TorchDistributed
-from guardtrain.engine.config import GuardConfig, make_config
+from guardtrain.engine.config import GuardConfig
 from guardtrain.engine.core import GuardEngine, Host
 from guardtrain.engine.phases import LOOPS, Loop
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainValueError
-from guardtrain.presets import GuardPreset, PresetName
+from guardtrain.presets import GuardPreset
 
 __all__ = ["GuardTuner"]
 
 log = logging.getLogger("guardtrain")
+_POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
 
 
 class _Step:
@@ -143,12 +144,11 @@ class GuardTuner:
     Args:
         model: the module to compile, or a Fabric-wrapped module (``fabric.setup``);
             targets are then names in ``model.module``.
-        preset: as for :class:`~guardtrain.GuardTuneCallback`.
         fabric: a ``lightning.fabric.Fabric``: votes go through its strategy and
             metrics to ``fabric.log_dict``. Without it, votes go through the default
             ``torch.distributed`` group when one is initialised, and metrics to the
             ``guardtrain`` logger.
-        **kwargs: every keyword argument of :class:`~guardtrain.GuardTuneCallback`.
+        {arguments}
 
     Raises:
         GuardTrainValueError, GuardTrainTypeError: bad arguments, as the callback's.
@@ -165,38 +165,25 @@ class GuardTuner:
                     opt.zero_grad()
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        preset: PresetName = "balanced",
-        *,
-        fabric: Any = None,
-        warmup_steps: int | None = None,
-        stable_steps: int | None = None,
-        targets: str | list[str] | None = None,
-        compile_kwargs: dict[str, Any] | None = None,
-        guard_filter: str | list[str] | _filters.GuardFilter | None = None,
-        install_free_tensors: bool | None = None,
-        recursive_dict_tags: bool | None = None,
-        use_stance: bool | None = None,
-        direct_dispatch: bool | None = None,
-        unsafe_drop_floor: bool = False,
-        log_metrics: bool = True,
-        audit_every: int | None = 200,
-        verify_every: int | None = None,
-        verify_rtol: float = 1e-4,
-        verify_atol: float = 1e-6,
-        guard_collectives: bool = False,
-        measure_lookup: bool | None = None,
-        lookup_window: int = 3,
-        compile_cache: str | os.PathLike[str] | None = None,
-    ) -> None:
-        arguments = {k: v for k, v in locals().items() if k not in ("self", "model", "fabric")}
+    __init__ = adapter_init(
+        GuardConfig,
+        owner="GuardTuner",
+        module=__name__,
+        before=[inspect.Parameter("model", _POSITIONAL, annotation=nn.Module)],
+        keyword=[
+            inspect.Parameter(
+                "fabric", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Any
+            )
+        ],
+    )
+
+    def _configure(self, model: nn.Module, fabric: Any, *, arguments: dict[str, Any]) -> None:
+        """The generated ``__init__``'s body: ``arguments`` are the config's fields."""
         if not isinstance(model, nn.Module):
             raise GuardTrainValueError(
                 f"`model` must be an nn.Module, got {model!r} ({type(model).__name__})."
             )
-        self.config: GuardConfig = make_config(**arguments)
+        self.config: GuardConfig = GuardConfig(**arguments)
         self.model = model
         self.fabric = fabric
         self._root: nn.Module = _unwrap(model)
@@ -336,6 +323,9 @@ class GuardTuner:
             self.fabric.log_dict(metrics, step=step)
         else:
             log.debug("guard metrics at step %d: %s", step, metrics)
+
+
+GuardTuner.__doc__ = document_arguments(GuardTuner.__doc__, GuardConfig)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -29,7 +29,7 @@ from repeat to repeat) is measured three ways:
   evaluations, µs per evaluation; the most precise figure;
 * ``lookup``: one profiled window of ``--calls`` calls, whose ``TorchDynamo
   Cache Lookup`` events give the guard µs per call
-  (:class:`guardtrain.overhead.LookupWindow`);
+  (:class:`guardtrain.profiling.LookupWindow`);
 * ``call``: whole calls outside the profiler: the fastest of ``--calls / 10``
   runs of 10 calls, µs per call.
 
@@ -56,7 +56,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from guardtrain import filters
 from guardtrain.compile import CompiledTarget
-from guardtrain.overhead import LookupWindow
+from guardtrain.profiling import LookupWindow
 
 CONFIGS = ("floor", "no-scalars")
 

@@ -8,7 +8,9 @@ through Hydra are in ``test_hydra.py``, bad models (refused when the run starts)
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -23,6 +25,8 @@ from guardtrain import (
     GuardTuneCallback,
     GuardTuner,
 )
+from guardtrain.arguments import Accepts, read_fields
+from guardtrain.engine.config import GuardConfig, make_config
 
 #: Every bad constructor argument: (kwargs, error, message pattern). ``GuardTuneCallback``
 #: and ``GuardTuner`` take the same keyword arguments and refuse each the same way.
@@ -243,3 +247,56 @@ def test_import_has_no_side_effects() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def _shared_parameters(init: Any, own: tuple[str, ...]) -> list[inspect.Parameter]:
+    return [p for p in inspect.signature(init).parameters.values() if p.name not in own]
+
+
+def test_both_adapters_take_guard_config_fields_as_their_arguments() -> None:
+    """One argument list: names, annotations, defaults and kinds come from ``GuardConfig``."""
+    namespace = vars(sys.modules[GuardConfig.__module__])
+    expected = []
+    for f in dataclasses.fields(GuardConfig):
+        if not f.init or f.metadata.get("argument", True) is False:
+            continue
+        hint = eval(f.type, namespace) if isinstance(f.type, str) else f.type
+        accepts = [m.type for m in getattr(hint, "__metadata__", ()) if isinstance(m, Accepts)]
+        held = hint.__origin__ if hasattr(hint, "__metadata__") else hint  # Annotated[held, ...]
+        annotation = accepts[0] if accepts else held
+        kind = "POSITIONAL_OR_KEYWORD" if f.name == "preset" else "KEYWORD_ONLY"
+        expected.append((f.name, annotation, f.default, kind))
+    assert len(expected) == 20
+    for init, own in (
+        (GuardTuneCallback.__init__, ("self",)),
+        (GuardTuner.__init__, ("self", "model", "fabric")),
+    ):
+        params = _shared_parameters(init, own)
+        kinds = {p.kind for p in inspect.signature(init).parameters.values()}
+        assert inspect.Parameter.VAR_KEYWORD not in kinds, init
+        assert inspect.Parameter.VAR_POSITIONAL not in kinds, init
+        got = [(p.name, p.annotation, p.default, p.kind.name) for p in params]
+        assert got == expected, init.__qualname__
+    tuner = inspect.signature(GuardTuner.__init__).parameters
+    assert list(tuner)[:3] == ["self", "model", "preset"]
+    assert tuner["fabric"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert tuner["fabric"].default is None
+
+
+def test_every_argument_is_documented_in_both_adapters() -> None:
+    """The ``Args:`` sections hold each field's docstring (made from ``GuardConfig``)."""
+    source = inspect.getsource(GuardConfig)
+    docs = {f.name: f.doc for f in read_fields(source, "GuardConfig") if f.argument}
+    assert len(docs) == 20 and all(docs.values())
+    for adapter in (GuardTuneCallback, GuardTuner):
+        text = inspect.getdoc(adapter) or ""
+        assert "{arguments}" not in text
+        for name, doc in docs.items():
+            first = doc.splitlines()[0]
+            assert f"    {name}: {first}" in text, (adapter.__name__, name)
+
+
+def test_make_config_is_guard_config() -> None:
+    assert make_config("turbo", targets="net") == GuardConfig(preset="turbo", targets="net")
+    with pytest.raises(TypeError, match="warmup_step"):
+        make_config(warmup_step=3)

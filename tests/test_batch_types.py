@@ -19,7 +19,7 @@ import torch
 from helpers import TinyModule, assert_same_run, guard, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from guardtrain.monitor import batch_signature, describe_signature
+from guardtrain.signatures import batch_signature, describe_signature
 
 
 class BatchEncoding(UserDict):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from guardtrain import bench
-from guardtrain.overhead import LookupWindow, profiler_active
+from guardtrain.profiling import LookupWindow, profiler_active
 
 FAST = ["--backend", "eager", "--repeats", "2", "--calls", "4", "--steps", "2", "--no-progress"]
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from guardtrain import GuardTuner
-from guardtrain.monitor import SameSignature, batch_signature
+from guardtrain.signatures import SameSignature, batch_signature
 
 
 def _pair(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,7 +43,7 @@ Metrics per configuration: ``guard_us`` and ``pregraph_us`` (profiler events
 ``TorchDynamo Cache Lookup`` and ``Pregraph bytecode`` in a short profiled
 window of ``no_grad`` calls in training mode; per model call, i.e. summed over
 its compiled frames, 12 for ``regional``; each frame's median over the window,
-see :mod:`guardtrain.overhead`), ``call_us`` (a whole ``no_grad`` call, without
+see :mod:`guardtrain.profiling`), ``call_us`` (a whole ``no_grad`` call, without
 the profiler), ``step_us`` (forward, backward, ``SGD.step``), ``compiles``
 (Dynamo frame compiles during warm-up and measurement), ``call-floor µs/frame``
 (per repeat, the call minus ``floor``'s call, divided by the compiled frames per

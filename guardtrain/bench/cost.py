@@ -3,7 +3,7 @@ and of ``GuardTuner.step``.
 
 Only public API: the callback's hooks, its ``engine`` (``batch_start`` /
 ``batch_end``), ``phase``, ``config`` and ``summary()``, and
-:func:`guardtrain.monitor.batch_signature`.
+:func:`guardtrain.signatures.batch_signature`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _pieces(
     guard: Any, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
 ) -> dict[str, Callable[[], Any]]:
     """What is timed: the hooks as Lightning calls them, and their parts."""
-    from guardtrain.monitor import batch_signature
+    from guardtrain.signatures import batch_signature
 
     start, end = guard.on_train_batch_start, guard.on_train_batch_end
     engine = guard.engine

@@ -17,7 +17,7 @@ from guardtrain.bench.runner import Runner, make_runner
 from guardtrain.compile import resolve_targets
 from guardtrain.engine.session import stance_is_unsafe
 from guardtrain.errors import GuardTrainValueError
-from guardtrain.overhead import LookupWindow
+from guardtrain.profiling import LookupWindow
 
 __all__ = [
     "CALL_CHUNK",

@@ -33,7 +33,7 @@ from guardtrain.engine.core import GuardEngine, Host, Levers
 from guardtrain.engine.phases import Loop
 from guardtrain.engine.session import StanceSession
 from guardtrain.errors import GuardTrainValueError
-from guardtrain.overhead import LookupStats, LookupWindow
+from guardtrain.profiling import LookupStats, LookupWindow
 
 __all__ = [
     "ConfigLevers",

@@ -1,6 +1,6 @@
 """guardtrain's engine: everything a run decides, with no Lightning import.
 
-* :mod:`~guardtrain.engine.config`: the validated arguments (:class:`GuardConfig`).
+* :mod:`~guardtrain.engine.config`: the adapters' arguments, written once and validated (:class:`GuardConfig`).
 * :mod:`~guardtrain.engine.phases`: the warm-up -> steady -> re-armed machine per loop.
 * :mod:`~guardtrain.engine.decisions`: per-batch, audit and entry decisions, pure.
 * :mod:`~guardtrain.engine.session`: the stance and Dynamo config, saved and restored.

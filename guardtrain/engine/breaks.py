@@ -176,20 +176,27 @@ class BreakLog:
         batch = records[start:]
         self._count = len(records)
         self._last = records[-1] if records else None
-        found: list[GraphBreak] = []
-        places: dict[tuple[str, str], int] = {}
-        for record in batch:
-            if not getattr(record, "graph_break", True):
-                continue
-            found_break = _from_record(record)
-            key = (found_break.reason, found_break.where)
-            if key in places:
-                known = found[places[key]]
-                more = tuple(e for e in found_break.entered if e not in known.entered)
-                if more:
-                    found[places[key]] = GraphBreak(known.reason, known.where, known.entered + more)
-                continue
-            places[key] = len(found)
-            found.append(found_break)
+        found = _one_per_place(batch)
         real = [b for b in found if b.reason != "step_unsupported"]
         return real or found
+
+
+def _one_per_place(records: list[Any]) -> list[GraphBreak]:
+    """One break per (reason, place) of Dynamo's graph-break records, in order; the
+    entered frames of a repeat are added to the first."""
+    found: list[GraphBreak] = []
+    places: dict[tuple[str, str], int] = {}
+    for record in records:
+        if not getattr(record, "graph_break", True):
+            continue
+        found_break = _from_record(record)
+        key = (found_break.reason, found_break.where)
+        if key in places:
+            known = found[places[key]]
+            more = tuple(e for e in found_break.entered if e not in known.entered)
+            if more:
+                found[places[key]] = GraphBreak(known.reason, known.where, known.entered + more)
+            continue
+        places[key] = len(found)
+        found.append(found_break)
+    return found

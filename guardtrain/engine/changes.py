@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from guardtrain.monitor import fingerprint_change, module_fingerprint
+from guardtrain.fingerprints import fingerprint_change, module_fingerprint
 
 __all__ = ["Action", "Change", "ChangeLog", "decide"]
 

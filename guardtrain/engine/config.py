@@ -1,8 +1,9 @@
-"""What a run was asked to do: the preset's levers and the adapter's other arguments.
+"""The adapters' arguments, written once: :class:`GuardConfig`, validated when made.
 
-:func:`make_config` validates the keyword arguments that ``GuardTuneCallback``
-and ``GuardTuner`` share and returns one frozen :class:`GuardConfig`; every
-error names the argument, the value and what is allowed.
+``GuardTuneCallback``, ``GuardTuner`` and the Hydra schema derive their
+arguments from the fields of :class:`GuardConfig` (:mod:`guardtrain.arguments`);
+each field's docstring is the argument's documentation. Every error names the
+argument, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -10,57 +11,200 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
 from guardtrain import filters as _filters
+from guardtrain.arguments import Accepts
 from guardtrain.compile import check_compile_kwargs
 from guardtrain.errors import GuardTrainTypeError, GuardTrainValueError
-from guardtrain.presets import GuardPreset, get_preset
+from guardtrain.presets import GuardPreset, PresetName, get_preset
 
 __all__ = ["DISABLE_ENV", "GuardConfig", "make_config"]
 
 DISABLE_ENV = "GUARDTRAIN_DISABLE"
 """Set to anything but ``""`` or ``"0"`` to make every adapter a no-op."""
 
+#: The preset's levers that an argument overrides when it is not None.
+_LEVERS = (
+    "warmup_steps",
+    "stable_steps",
+    "install_free_tensors",
+    "recursive_dict_tags",
+    "use_stance",
+    "direct_dispatch",
+)
+
+
+def _disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip() not in ("", "0")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GuardConfig:
-    """The validated arguments of one ``GuardTuneCallback`` or ``GuardTuner``."""
+    """The arguments of ``GuardTuneCallback`` and ``GuardTuner``, validated when made.
 
-    preset: str
-    """The preset's name."""
-    levers: GuardPreset
-    """The preset with the explicit overrides applied."""
-    targets: list[str] | None
-    """Submodule names or glob patterns, or None for the default target."""
-    compile_kwargs: dict[str, Any]
-    """Validated arguments for ``torch.compile``."""
-    filter_spec: _filters.FilterSpec
-    """The guard filter: a name, a callable, a list of them, or None."""
+    Each field up to ``compile_cache`` is a constructor argument of both adapters,
+    with the same name, type and default; a field's type is what the config holds
+    and ``Accepts`` names a wider type that an argument also takes (``targets="net"``
+    is held as ``["net"]``). ``levers``, ``filter_spec`` and ``disabled`` are derived.
+
+    Raises:
+        GuardTrainValueError: an unknown preset or filter name, a step count out of
+            range, a filter passed twice, unknown ``compile_kwargs`` keys.
+        GuardTrainTypeError: an argument of the wrong type.
+    """
+
+    preset: PresetName = "balanced"
+    """``"off"``, ``"safe"``, ``"balanced"``, ``"aggressive"`` or ``"turbo"`` (see
+    :data:`guardtrain.PRESETS`). Explicit arguments below override it."""
+
+    warmup_steps: int | None = None
+    """training batches with full guards before the stance (preset: 20)."""
+
+    stable_steps: int | None = None
+    """the last ``stable_steps`` batches must not have compiled (preset: 10)."""
+
+    targets: Annotated[list[str] | None, Accepts(str | list[str] | None)] = None
+    """``None`` (the network the LightningModule delegates to, when it
+    has exactly one child with parameters; else the LightningModule), or
+    submodule names / glob patterns (``"blocks.*"``, outermost matches).
+    ``""`` names the LightningModule itself."""
+
+    compile_kwargs: Annotated[dict[str, Any], Accepts(dict[str, Any] | None)] = None  # type: ignore[assignment]
+    """``backend``, ``mode``, ``fullgraph``, ``dynamic``,
+    ``options`` for ``torch.compile``."""
+
+    guard_filter: str | list[str] | _filters.GuardFilter | None = None
+    """a filter name from :mod:`guardtrain.filters`, a callable
+    ``guard_filter_fn``, or a list of them; replaces the preset's filter.
+    It is combined with the soundness floor."""
+
+    install_free_tensors: bool | None = None
+    """compile with ``install_free_tensors``."""
+
+    recursive_dict_tags: bool | None = None
+    """``use_recursive_dict_tags_for_guards`` during the run;
+    ``None`` (every preset) leaves torch's default (off since torch 2.12,
+    after segfaults: pytorch/pytorch#181873). ``True`` where torch's
+    default is off warns once."""
+
+    use_stance: bool | None = None
+    """enter the unsafe stance once a loop is warm."""
+
+    direct_dispatch: bool | None = None
+    """in the steady state, run each compiled call's cache entry
+    directly, below Dynamo's entry path (preset ``turbo``). Each call is
+    checked first: its ``(training, grad, inference mode, autocast)``
+    mode, Dynamo's global-state guard, the input tensors' dtype, device,
+    ``requires_grad``, sizes, strides and dispatch keys, which arguments
+    are one tensor, the values of non-tensor arguments, no active compile
+    callback, torch-function mode or saved-tensor hooks, that the entry is
+    still in Dynamo's cache, and, where a mode has several entries, the
+    guards that tell them apart (what the stance evaluates); a call that
+    fails one takes the normal path. Cost: about 1.5-2.5 µs per compiled
+    call (2 µs more with several entries for a mode), against Dynamo's
+    entry path of tens of µs per frame (docs/bench.md). The entry for a mode is
+    the one that Dynamo's own guards accept for the first steady call of
+    that mode, chosen again after every boundary, audit and re-arm.
+    Refused (the summary says why) for a target with graph breaks, under
+    FSDP (``FSDPStrategy``, ``ModelParallelStrategy``, ``fully_shard``),
+    and with ``guard_collectives=True``. Needs ``use_stance``."""
+
     unsafe_drop_floor: bool = False
-    """Do not combine the filter with the soundness floor."""
+    """do not combine the guard filter with the soundness
+    floor. Unsafe: ``eval()`` or a new dtype may then silently reuse code."""
+
     log_metrics: bool = True
-    """Log ``guard/*`` metrics when they change."""
+    """log ``guard/phase``, ``guard/compiles`` and ``guard/rearms``
+    through the Trainer's loggers when they change."""
+
     audit_every: int | None = 200
-    """Steady training batches between audits; None: no audits."""
+    """every ``audit_every`` steady training batches, repeat the
+    boundary re-check inside the epoch and run one batch with full guards;
+    a compile in that batch means an assumption of the stance broke (a
+    global read in ``forward`` changed, say): re-arm with its reason.
+    ``None`` disables audits. Cost: one batch with full guards (tens to
+    hundreds of µs of guard evaluation) and one walk over the parameters
+    per audit; at the default of 200 that is well under 1 µs per step."""
+
     verify_every: int | None = None
-    """Steady training batches between eager checks; None: off."""
+    """every ``verify_every`` steady training batches, run the eager
+    ``forward`` beside the compiled one (same RNG state and buffers, under
+    ``no_grad``) and rebuild the target with a report when the outputs
+    differ beyond ``verify_rtol``/``verify_atol``. Off by default: each
+    verified batch costs one more eager forward and one copy of the
+    buffers (measured: a 24-module MLP's compiled call went from 721 to
+    1727 µs, eager backend, CPU). With inductor, random ops (dropout) in training mode draw
+    differently from eager unless ``torch._inductor.config.fallback_random``."""
+
     verify_rtol: float = 1e-4
-    """Relative tolerance of the eager check."""
+    """relative tolerance of ``verify_every``."""
+
     verify_atol: float = 1e-6
-    """Absolute tolerance of the eager check."""
+    """absolute tolerance of ``verify_every``."""
+
     guard_collectives: bool = False
-    """Ranks agree on every guard failure (one collective per compiled call)."""
+    """with several processes, turn on
+    ``torch.compiler.set_enable_guard_collectives`` in the training loop once
+    the ranks first entered the stance together, so they agree on every
+    guard failure. Cost: one ``all_gather_object`` per compiled call (measured
+    on 2 CPU processes with gloo: about +2.6 ms per call, 15x a whole call
+    under the stance); targets are rebuilt on all ranks together, and a
+    stance miss (on any rank) is retried with the plain ``forward``."""
+
     measure_lookup: bool | None = None
-    """Profile guard time once; None: only in single-process runs."""
+    """``None`` (default): on in single-process runs, off with
+    several processes (a DDP child process once ended with "terminate
+    called without an active exception" after a run that had profiled).
+    When on: when training first enters the stance, profile
+    ``lookup_window`` batches with full guards and then as many under the
+    stance, and report Dynamo's guard and pre-graph µs per step for both
+    (``summary()["lookup_us"]``, the logged ``guard/lookup_us``). Skipped
+    when another profiler is running. Cost, once per run: about 1 ms to
+    start and stop the profiler plus about 1.5 ms per profiled compiled
+    call, and calls about 12% slower inside the windows (measured on the
+    CPU; ``guardtrain.profiling``)."""
+
     lookup_window: int = 3
-    """Batches per profiled window."""
-    compile_cache: str | None = None
-    """File of PyTorch's compile-cache artifacts (warm start): loaded at setup on every
-    rank, saved at the end of a run by rank zero; None: off."""
-    disabled: bool = False
-    """``GUARDTRAIN_DISABLE`` was set when the settings were made."""
+    """batches per measuring window."""
+
+    compile_cache: Annotated[str | None, Accepts(str | os.PathLike[str] | None)] = None
+    """a file for PyTorch's compile-cache artifacts (warm start);
+    ``None`` (default): off. At setup every rank loads it
+    (``torch.compiler.load_cache_artifacts``) before anything compiles; at
+    the end of the run rank zero saves this process's artifacts there
+    (``torch.compiler.save_cache_artifacts``, written atomically; the folder
+    is created). A second run on a fresh machine then skips Inductor's and
+    AOTAutograd's work (not the C++ compiler's on the CPU). Only the inductor
+    backend records artifacts. A missing file logs one INFO line; a corrupt
+    file or one saved by another torch or Python warns and compiles cold.
+    ``summary()["compile_cache"]`` says what was loaded, hit and saved."""
+
+    disabled: bool = field(default_factory=_disabled_by_env, metadata={"argument": False})
+    """``GUARDTRAIN_DISABLE`` was set when the config was made (no adapter argument)."""
+
+    levers: GuardPreset = field(init=False)
+    """The preset with the explicit overrides applied."""
+
+    filter_spec: _filters.FilterSpec = field(init=False)
+    """The guard filter in use: a name, a callable, a list of them, or None."""
+
+    def __post_init__(self) -> None:
+        levers = _levers(self.preset, {k: getattr(self, k) for k in _LEVERS}, self.guard_filter)
+        _check_flags(self)
+        kwargs = check_compile_kwargs(self.compile_kwargs)
+        spec = _filter_spec(self.guard_filter, kwargs, levers)
+        set_ = object.__setattr__  # frozen: the checked values replace the passed ones
+        set_(self, "levers", levers)
+        set_(self, "targets", _targets(self.targets))
+        set_(self, "compile_kwargs", kwargs)
+        set_(self, "filter_spec", spec)
+        set_(self, "audit_every", _every("audit_every", self.audit_every))
+        set_(self, "verify_every", _every("verify_every", self.verify_every))
+        set_(self, "verify_rtol", float(self.verify_rtol))
+        set_(self, "verify_atol", float(self.verify_atol))
+        set_(self, "compile_cache", _cache_path(self.compile_cache))
 
     @property
     def filter_name(self) -> str | None:
@@ -68,6 +212,70 @@ class GuardConfig:
         if spec is None or isinstance(spec, str):
             return spec
         return getattr(spec, "__name__", "custom")
+
+
+def make_config(preset: str = "balanced", **arguments: Any) -> GuardConfig:
+    """``GuardConfig(preset=preset, **arguments)``: the adapters' arguments, validated.
+
+    Raises:
+        GuardTrainValueError, GuardTrainTypeError: as :class:`GuardConfig`.
+        TypeError: an argument that is not a field of :class:`GuardConfig`.
+    """
+    return GuardConfig(preset=preset, **arguments)  # type: ignore[arg-type]
+
+
+def _levers(preset: str, overrides: dict[str, Any], guard_filter: Any) -> GuardPreset:
+    """The preset's levers with the arguments that are not None applied."""
+    base = get_preset(preset)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(guard_filter, str):
+        given["guard_filter"] = guard_filter
+    levers = dataclasses.replace(base, **given)
+    if levers.direct_dispatch and not levers.use_stance:
+        raise GuardTrainValueError(
+            f"`direct_dispatch=True` needs the stance, but use_stance=False (preset {preset!r}): "
+            "direct dispatch runs only in the steady state. Pass use_stance=True, or "
+            "direct_dispatch=False."
+        )
+    return levers
+
+
+def _check_flags(config: GuardConfig) -> None:
+    """The bools, the lookup settings and the tolerances; the error names the argument."""
+    for flag in ("unsafe_drop_floor", "log_metrics", "guard_collectives"):
+        value = getattr(config, flag)
+        if not isinstance(value, bool):
+            raise GuardTrainTypeError(f"`{flag}` must be a bool, got {value!r}.")
+    measure = config.measure_lookup
+    if measure is not None and not isinstance(measure, bool):
+        raise GuardTrainTypeError(f"`measure_lookup` must be a bool or None, got {measure!r}.")
+    if _every("lookup_window", config.lookup_window) is None:
+        raise GuardTrainValueError("`lookup_window` must be >= 1, got None.")
+    for flag in ("verify_rtol", "verify_atol"):
+        tol = getattr(config, flag)
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+            raise GuardTrainValueError(f"`{flag}` must be a number >= 0, got {tol!r}.")
+
+
+def _filter_spec(
+    guard_filter: Any, compile_kwargs: dict[str, Any], levers: GuardPreset
+) -> _filters.FilterSpec:
+    """The filter in use: ``guard_filter``, else one in ``compile_kwargs``, else the preset's."""
+    in_options = (compile_kwargs.get("options") or {}).get("guard_filter_fn")
+    if in_options is not None and guard_filter is not None:
+        raise GuardTrainValueError(
+            "A guard filter was passed twice: as `guard_filter` and as "
+            "`compile_kwargs['options']['guard_filter_fn']`. Pass it once, as `guard_filter`."
+        )
+    spec: _filters.FilterSpec
+    if in_options is not None:
+        spec = in_options
+    elif guard_filter is not None:
+        spec = guard_filter
+    else:
+        spec = levers.guard_filter
+    _filters.resolve(spec)  # unknown names fail here, when the adapter is made
+    return spec
 
 
 def _every(name: str, value: Any) -> int | None:
@@ -112,107 +320,3 @@ def _cache_path(value: Any) -> str | None:
             f"`compile_cache` must name a file (its folder is created when saving), got {path!r}."
         )
     return path
-
-
-def make_config(
-    preset: str = "balanced",
-    *,
-    warmup_steps: int | None = None,
-    stable_steps: int | None = None,
-    targets: str | Sequence[str] | None = None,
-    compile_kwargs: dict[str, Any] | None = None,
-    guard_filter: _filters.FilterSpec = None,
-    install_free_tensors: bool | None = None,
-    recursive_dict_tags: bool | None = None,
-    use_stance: bool | None = None,
-    direct_dispatch: bool | None = None,
-    unsafe_drop_floor: bool = False,
-    log_metrics: bool = True,
-    audit_every: int | None = 200,
-    verify_every: int | None = None,
-    verify_rtol: float = 1e-4,
-    verify_atol: float = 1e-6,
-    guard_collectives: bool = False,
-    measure_lookup: bool | None = None,
-    lookup_window: int = 3,
-    compile_cache: str | os.PathLike[str] | None = None,
-) -> GuardConfig:
-    """Validate the adapters' shared arguments (see ``GuardTuneCallback``).
-
-    Raises:
-        GuardTrainValueError: an unknown preset or filter name, a step count out of
-            range, a filter passed twice, unknown ``compile_kwargs`` keys.
-        GuardTrainTypeError: an argument of the wrong type.
-    """
-    base = get_preset(preset)
-    overrides: dict[str, Any] = {
-        k: v
-        for k, v in {
-            "warmup_steps": warmup_steps,
-            "stable_steps": stable_steps,
-            "install_free_tensors": install_free_tensors,
-            "recursive_dict_tags": recursive_dict_tags,
-            "use_stance": use_stance,
-            "direct_dispatch": direct_dispatch,
-        }.items()
-        if v is not None
-    }
-    if isinstance(guard_filter, str):
-        overrides["guard_filter"] = guard_filter
-    levers = dataclasses.replace(base, **overrides)
-    if levers.direct_dispatch and not levers.use_stance:
-        raise GuardTrainValueError(
-            f"`direct_dispatch=True` needs the stance, but use_stance=False (preset {preset!r}): "
-            "direct dispatch runs only in the steady state. Pass use_stance=True, or "
-            "direct_dispatch=False."
-        )
-    for flag, value in (
-        ("unsafe_drop_floor", unsafe_drop_floor),
-        ("log_metrics", log_metrics),
-        ("guard_collectives", guard_collectives),
-    ):
-        if not isinstance(value, bool):
-            raise GuardTrainTypeError(f"`{flag}` must be a bool, got {value!r}.")
-    if measure_lookup is not None and not isinstance(measure_lookup, bool):
-        raise GuardTrainTypeError(
-            f"`measure_lookup` must be a bool or None, got {measure_lookup!r}."
-        )
-    window = _every("lookup_window", lookup_window)
-    if window is None:
-        raise GuardTrainValueError("`lookup_window` must be >= 1, got None.")
-    for flag, tol in (("verify_rtol", verify_rtol), ("verify_atol", verify_atol)):
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
-            raise GuardTrainValueError(f"`{flag}` must be a number >= 0, got {tol!r}.")
-    kwargs = check_compile_kwargs(compile_kwargs)
-    in_options = (kwargs.get("options") or {}).get("guard_filter_fn")
-    if in_options is not None and guard_filter is not None:
-        raise GuardTrainValueError(
-            "A guard filter was passed twice: as `guard_filter` and as "
-            "`compile_kwargs['options']['guard_filter_fn']`. Pass it once, as `guard_filter`."
-        )
-    spec: _filters.FilterSpec
-    if in_options is not None:
-        spec = in_options
-    elif guard_filter is not None:
-        spec = guard_filter
-    else:
-        spec = levers.guard_filter
-    _filters.resolve(spec)  # unknown names fail here, when the adapter is made
-    return GuardConfig(
-        preset=preset,
-        levers=levers,
-        targets=_targets(targets),
-        compile_kwargs=kwargs,
-        filter_spec=spec,
-        unsafe_drop_floor=unsafe_drop_floor,
-        log_metrics=log_metrics,
-        audit_every=_every("audit_every", audit_every),
-        verify_every=_every("verify_every", verify_every),
-        verify_rtol=float(verify_rtol),
-        verify_atol=float(verify_atol),
-        guard_collectives=guard_collectives,
-        measure_lookup=measure_lookup,
-        lookup_window=window,
-        compile_cache=_cache_path(compile_cache),
-        disabled=os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"),
-    )

@@ -44,14 +44,9 @@ from guardtrain.engine.config import DISABLE_ENV, GuardConfig
 from guardtrain.engine.phases import Loop, Phase, PhaseMachine
 from guardtrain.engine.session import StanceSession
 from guardtrain.filters import GuardFilter
-from guardtrain.monitor import (
-    CompileMonitor,
-    SameSignature,
-    batch_signature,
-    describe_signature,
-    fingerprint_change,
-    module_fingerprint,
-)
+from guardtrain.fingerprints import fingerprint_change, module_fingerprint
+from guardtrain.profiling import CompileMonitor
+from guardtrain.signatures import SameSignature, batch_signature, describe_signature
 
 __all__ = ["GuardEngine", "Host"]
 
@@ -952,7 +947,7 @@ class GuardEngine:
         """One batch of a lookup window; returns whether it runs under the stance."""
         run = self.run
         if run.window is None:
-            from guardtrain.overhead import LookupWindow
+            from guardtrain.profiling import LookupWindow
 
             run.window = LookupWindow()
             if not run.window.start():  # another profiler is running: do not disturb it

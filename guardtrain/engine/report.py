@@ -45,17 +45,30 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  guards µs/step   {lookup.get('full_guards', float('nan')):.1f} with full guards, "
             f"{lookup['steady']:.1f} under the stance (guard + pre-graph, profiled)"
         )
-    direct = s.get("direct_dispatch") or {}
-    if direct.get("requested"):
-        if direct.get("on"):
-            lines.append(
-                f"  direct dispatch  on: {direct.get('calls', 0)} calls ran a harvested entry "
-                "directly (guard µs/step not profiled: those calls skip Dynamo's entry path)"
-            )
-        else:
-            lines.append(f"  direct dispatch  refused: {direct.get('refused')}")
-        for t in direct.get("refused_targets", []):
-            lines.append(f"    not for {t['target']}: {t['why']}")
+    lines += _direct_dispatch(s.get("direct_dispatch") or {})
+    lines += _targets_and_levers(s)
+    return "\n".join(lines)
+
+
+def _direct_dispatch(direct: dict[str, Any]) -> list[str]:
+    """The direct-dispatch lines: on with its calls, or refused with why."""
+    if not direct.get("requested"):
+        return []
+    if direct.get("on"):
+        lines = [
+            f"  direct dispatch  on: {direct.get('calls', 0)} calls ran a harvested entry "
+            "directly (guard µs/step not profiled: those calls skip Dynamo's entry path)"
+        ]
+    else:
+        lines = [f"  direct dispatch  refused: {direct.get('refused')}"]
+    for t in direct.get("refused_targets", []):
+        lines.append(f"    not for {t['target']}: {t['why']}")
+    return lines
+
+
+def _targets_and_levers(s: dict[str, Any]) -> list[str]:
+    """Graph breaks, shared and own code, levers switched off, and the rest of the table."""
+    lines = []
     for b in s.get("graph_breaks", []):
         where = f" at {b['where']}" if b.get("where") else ""
         lines.append(
@@ -79,7 +92,7 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  stance blocked   {s['stance_blocked']}")
     if s.get("compile_cache"):
         lines.append(f"  compile cache    {warmstart.describe(s['compile_cache'])}")
-    return "\n".join(lines)
+    return lines
 
 
 def metrics(phase: str, compiles: int, rearms: int) -> dict[str, float]:

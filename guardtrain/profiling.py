@@ -1,6 +1,13 @@
-"""Measure Dynamo's per-call guard and pre-graph time inside a run, over a short window.
+"""What a run measures about itself: compile counts, and Dynamo's per-call guard time.
 
-:class:`LookupWindow` turns PyTorch's profiler on for a few compiled calls and
+:class:`CompileMonitor` counts the frame compilations of the targets and keeps
+their reasons. Compiles are counted by the guard filter every target installs:
+Dynamo calls it once per frame compilation (graph-break resume frames
+included), never for a lazily compiled backward, and it keeps working across
+``torch._dynamo.reset()`` (H6). The reason is Dynamo's own recompile reason.
+
+:class:`LookupWindow` measures Dynamo's per-call guard and pre-graph time inside
+a run, over a short window. It turns PyTorch's profiler on for a few compiled calls and
 reads two of its events:
 
 * ``TorchDynamo Cache Lookup``: one per call of a compiled frame; its length is
@@ -46,15 +53,38 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["GUARD_EVENT", "PREGRAPH_EVENT", "LookupStats", "LookupWindow", "profiler_active"]
+__all__ = [
+    "GUARD_EVENT",
+    "PREGRAPH_EVENT",
+    "CompileMonitor",
+    "LookupStats",
+    "LookupWindow",
+    "profiler_active",
+]
 
 GUARD_EVENT = "TorchDynamo Cache Lookup"
 PREGRAPH_EVENT = "Pregraph bytecode"
+
+
+@dataclass(slots=True)
+class CompileMonitor:
+    """Counts frame compilations of the callback's targets and keeps their reasons."""
+
+    compiles: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+    max_events: int = 100
+
+    def record(self, step: int, target: str, reason: str | None) -> None:
+        self.compiles += 1
+        if len(self.events) < self.max_events:
+            self.events.append(
+                {"step": step, "target": target or "<root>", "reason": reason or "first compile"}
+            )
 
 
 def profiler_active() -> bool:

@@ -1,0 +1,214 @@
+"""The adapters' constructors, made from one argument list: the fields of ``GuardConfig``.
+
+``GuardTuneCallback.__init__`` and ``GuardTuner.__init__`` are generated here
+from the fields of :class:`~guardtrain.engine.config.GuardConfig`, the way
+:mod:`dataclasses` generates ``__init__``: a real function with named
+parameters, annotations and defaults (``inspect.signature``, LightningCLI and
+``help()`` read it), no ``**kwargs``. :func:`document_arguments` writes the
+fields' docstrings into an adapter's ``Args:`` section, and the Hydra schema
+(``hydra_plugins/guardtrain_searchpath``) reads the same fields with
+:func:`read_fields`.
+
+Standard library only, and nothing from ``guardtrain``: the Hydra plugin loads
+this file by its path, without importing torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Accepts",
+    "FieldSource",
+    "adapter_init",
+    "argument_parameters",
+    "document_arguments",
+    "read_fields",
+]
+
+_P = inspect.Parameter
+
+
+@dataclass(frozen=True)
+class Accepts:
+    """``Annotated[Held, Accepts(Wider)]``: the argument takes ``Wider`` and the config
+    holds ``Held`` (``targets="net"`` is held as ``["net"]``)."""
+
+    type: Any
+
+
+def _accepted(hint: Any) -> Any:
+    """The type an argument takes: ``Wider`` of ``Annotated[Held, Accepts(Wider)]``, ``Held``
+    of another ``Annotated``, else the hint itself."""
+    for extra in getattr(hint, "__metadata__", ()):
+        if isinstance(extra, Accepts):
+            return extra.type
+    return hint.__origin__ if hasattr(hint, "__metadata__") else hint
+
+
+def _hints(config: type) -> dict[str, Any]:
+    """The fields' annotations, evaluated in ``config``'s module; forward references inside
+    them stay (``GuardFilter`` names ``GuardFilterEntry``, a type that only checkers import)."""
+    namespace = vars(sys.modules[config.__module__])
+    return {
+        f.name: eval(f.type, namespace) if isinstance(f.type, str) else f.type
+        for f in dataclasses.fields(config)
+    }
+
+
+def argument_parameters(config: type, positional: Sequence[str] = ("preset",)) -> list[_P]:
+    """The constructor arguments that ``config``'s fields define, as parameters.
+
+    Fields with ``init=False`` or ``metadata={"argument": False}`` are no
+    arguments. ``positional`` fields may also be passed by position.
+    """
+    hints = _hints(config)
+    params = []
+    for f in dataclasses.fields(config):
+        if not f.init or f.metadata.get("argument", True) is False:
+            continue
+        kind = _P.POSITIONAL_OR_KEYWORD if f.name in positional else _P.KEYWORD_ONLY
+        params.append(_P(f.name, kind, default=f.default, annotation=_accepted(hints[f.name])))
+    return params
+
+
+def adapter_init(
+    config: type,
+    *,
+    owner: str,
+    module: str,
+    configure: str = "_configure",
+    before: Sequence[_P] = (),
+    keyword: Sequence[_P] = (),
+) -> Callable[..., None]:
+    """Generate ``owner.__init__``: ``before``, the positional config fields, then
+    ``keyword`` and the other fields as keyword-only parameters.
+
+    The body calls ``self.<configure>(<before and keyword by name>,
+    arguments={<field>: <value>, ...})``, where ``arguments`` holds exactly the
+    config fields (``config(**arguments)`` makes the config).
+    """
+    fields = argument_parameters(config)
+    front = [p for p in fields if p.kind is _P.POSITIONAL_OR_KEYWORD]
+    back = [p for p in fields if p.kind is _P.KEYWORD_ONLY]
+    own = [*before, *keyword]
+    params = [*before, *front, *keyword, *back]
+    inspect.Signature(params)  # raises for a bad order or a duplicate name
+    namespace: dict[str, Any] = {f"_d_{p.name}": p.default for p in params}
+    text = []
+    for p in params:
+        if p.kind is _P.KEYWORD_ONLY and "*" not in text:
+            text.append("*")
+        text.append(p.name if p.default is _P.empty else f"{p.name}=_d_{p.name}")
+    passed = "".join(f"{p.name}={p.name}, " for p in own)
+    values = ", ".join(f"{p.name!r}: {p.name}" for p in fields)
+    source = (
+        f"def __init__(self, {', '.join(text)}):\n"
+        f"    self.{configure}({passed}arguments={{{values}}})\n"
+    )
+    exec(compile(source, f"<{owner}.__init__ from {config.__name__}>", "exec"), namespace)
+    init: Callable[..., None] = namespace["__init__"]
+    init.__qualname__ = f"{owner}.__init__"
+    init.__module__ = module
+    init.__annotations__ = {
+        **{p.name: p.annotation for p in params if p.annotation is not _P.empty},
+        "return": None,
+    }
+    init.__doc__ = f"Validate the arguments (see the class docstring) and make the {owner}."
+    return init
+
+
+@dataclass(frozen=True)
+class FieldSource:
+    """One field of a dataclass as written in its source."""
+
+    name: str
+    annotation: str
+    """The annotation's text; for ``Annotated[Held, Accepts(Wider)]``, ``Wider``'s."""
+    default: Any
+    """The default's value (a literal), or :attr:`inspect.Parameter.empty`."""
+    doc: str
+    """The field's docstring (the string right below it), cleaned; ``""`` if none."""
+    argument: bool
+    """A constructor argument: not ``field(init=False, ...)`` nor ``metadata={"argument": False}``."""
+
+
+def read_fields(source: str, class_name: str) -> list[FieldSource]:
+    """The fields of class ``class_name`` in module ``source``, with their docstrings."""
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    found: list[FieldSource] = []
+    body = cls.body
+    for i, node in enumerate(body):
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        after = body[i + 1] if i + 1 < len(body) else None
+        doc = ""
+        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            doc = inspect.cleandoc(str(after.value.value))
+        default, argument = _default(node.value)
+        found.append(
+            FieldSource(node.target.id, _annotation(node.annotation), default, doc, argument)
+        )
+    return found
+
+
+def _annotation(node: ast.expr) -> str:
+    """The annotation's text, or the accepted type's for ``Annotated[..., Accepts(T)]``."""
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("Annotated"):
+        items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        for extra in items[1:]:
+            if isinstance(extra, ast.Call) and ast.unparse(extra.func).endswith("Accepts"):
+                return ast.unparse(extra.args[0])
+        return ast.unparse(items[0])
+    return ast.unparse(node)
+
+
+def _default(node: ast.expr | None) -> tuple[Any, bool]:
+    """``(default, is an argument)`` of a field's value: a literal, or ``field(...)``."""
+    if node is None:
+        return _P.empty, True
+    if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("field"):
+        options = {k.arg: k.value for k in node.keywords}
+        init = options.get("init")
+        meta = options.get("metadata")
+        argument = not (isinstance(init, ast.Constant) and init.value is False)
+        if isinstance(meta, ast.Dict):
+            pairs = zip(meta.keys, meta.values)
+            if any(_literal(k) == "argument" and _literal(v) is False for k, v in pairs):
+                argument = False
+        value = options.get("default")
+        return (ast.literal_eval(value) if value is not None else _P.empty), argument
+    return ast.literal_eval(node), True
+
+
+def _literal(node: ast.expr | None) -> Any:
+    return node.value if isinstance(node, ast.Constant) else None
+
+
+def document_arguments(doc: str | None, config: type, marker: str = "{arguments}") -> str | None:
+    """``doc`` with its ``marker`` line replaced by one ``Args:`` entry per argument of
+    ``config``, each with the field's docstring (indented as the marker is)."""
+    if doc is None:  # python -OO
+        return None
+    line = next((ln for ln in doc.splitlines() if ln.strip() == marker), None)
+    if line is None:
+        raise ValueError(f"the docstring has no line {marker!r}")
+    indent = line[: len(line) - len(line.lstrip())]
+    try:
+        docs = {f.name: f.doc for f in read_fields(inspect.getsource(config), config.__name__)}
+    except (OSError, TypeError):  # no source (a frozen application): names only
+        docs = {}
+    entries = []
+    for name in (p.name for p in argument_parameters(config)):
+        text = docs.get(name) or f"see :class:`{config.__module__}.{config.__name__}`."
+        first, *rest = text.splitlines()
+        entries.append(f"{indent}{name}: {first}")
+        entries.extend(f"{indent}    {r}" if r else "" for r in rest)
+    return doc.replace(line, "\n".join(entries))

@@ -1,0 +1,129 @@
+"""Module fingerprints: what guards assume about a module that a dropped guard would not see.
+
+:func:`module_fingerprint` is taken at loop and epoch boundaries and audits;
+:func:`fingerprint_change` names the first difference between two of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["fingerprint_change", "module_fingerprint"]
+
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+)
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+def module_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
+    """What guards assume about a module and that a dropped guard would not see.
+
+    Identity, ``requires_grad``, dtype, device and shape of every parameter and
+    buffer, and the hook functions of every submodule and the global module
+    hooks. Run at loop and epoch boundaries (it walks the module):
+    ``install_free_tensors`` freezes tensor identity (H3), nn-module guard
+    filters drop ``requires_grad`` and hook guards (H2), and Dynamo does not
+    enforce hook guards by default (``skip_nnmodule_hook_guards``).
+    """
+    # One walk over the submodules, in the order and with the de-duplication of
+    # ``named_parameters``, ``named_buffers`` and ``named_modules`` (three walks before).
+    params: list[tuple[Any, ...]] = []
+    buffers: list[tuple[Any, ...]] = []
+    hooks: list[tuple[Any, ...]] = []
+    seen_params: set[int] = set()
+    seen_buffers: set[int] = set()
+    for prefix, sub in module.named_modules():
+        dot = prefix + "." if prefix else ""
+        for into, seen, kind, members in (
+            (params, seen_params, "parameter", sub._parameters),
+            (buffers, seen_buffers, "buffer", sub._buffers),
+        ):
+            for key, t in members.items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                into.append(
+                    (kind, dot + key, id(t), t.requires_grad, t.dtype, t.device, tuple(t.shape))
+                )
+        row = _hook_row(prefix, sub)
+        if row is not None:
+            hooks.append(row)
+    rows = params + buffers + hooks
+    global_hooks = _global_hooks()
+    if any(global_hooks):
+        rows.append(("hooks", "<global module hooks>", global_hooks))
+    return tuple(rows)
+
+
+def _hook_row(prefix: str, sub: nn.Module) -> tuple[Any, ...] | None:
+    """``("hooks", name, ids per hook dict)`` of a submodule with hooks, else None."""
+    dicts = [getattr(sub, attr, None) for attr in _HOOK_DICTS]
+    if not any(dicts):
+        return None
+    return (
+        "hooks",
+        prefix or "<root>",
+        tuple(tuple(id(h) for h in d.values()) if d else () for d in dicts),
+    )
+
+
+def _global_hooks() -> tuple[tuple[int, ...], ...]:
+    """The ids of the global module hooks (``register_module_forward_hook`` and others)."""
+    from torch.nn.modules import module as module_module
+
+    return tuple(
+        tuple(id(h) for h in getattr(module_module, attr, {}).values()) for attr in _GLOBAL_HOOKS
+    )
+
+
+def fingerprint_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None:
+    """Describe the first difference between two :func:`module_fingerprint` values."""
+    if old == new:
+        return None
+    old_by_name = {(r[0], r[1]): r for r in old}
+    new_by_name = {(r[0], r[1]): r for r in new}
+    for key, row in new_by_name.items():
+        before = old_by_name.get(key)
+        change = _row_change(key, before, row)
+        if change is not None:
+            return change
+    for key in old_by_name:
+        if key not in new_by_name:
+            if key[0] == "hooks":
+                return f"hooks of {key[1]!r} were removed"
+            return f"{key[0]} {key[1]!r} was removed"
+    return "parameters or buffers were reordered"
+
+
+#: The fields of a parameter or buffer row after its kind and name, and what each is called.
+_ROW_FIELDS = ((3, "requires_grad"), (4, "dtype"), (5, "device"), (6, "shape"))
+
+
+def _row_change(
+    key: tuple[str, str], before: tuple[Any, ...] | None, row: tuple[Any, ...]
+) -> str | None:
+    """How one row of a fingerprint differs from the row of the same name before, or None."""
+    kind, name = key
+    if kind == "hooks":
+        return f"hooks of {name!r} changed" if before != row else None
+    if before is None:
+        return f"{kind} {name!r} was added"
+    if before[2] != row[2]:
+        return f"{kind} {name!r} was replaced by another tensor object"
+    for i, what in _ROW_FIELDS:
+        if before[i] != row[i]:
+            return f"{what} of {kind} {name!r} changed {before[i]} -> {row[i]}"
+    return None
