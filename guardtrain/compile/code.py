@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import nn
 
-from guardtrain.compile import watch as _watch
+import guardtrain.compile.watch as _watch
 from guardtrain.compile.assertions import (
     Assertion,
     attribute_names,
@@ -54,9 +54,6 @@ class CodeMember(Protocol):
     module: nn.Module
     bound: Callable[..., Any]
     compiled: Callable[..., Any]
-
-    def caller(self) -> Callable[..., Any]:
-        """What a call of the module runs: the code's compiled trampoline."""
 
     def code_rebuilt(self) -> None:
         """The code was rebuilt: forget what was learnt about its entries."""
@@ -143,7 +140,8 @@ class TargetCode:
         self.drops_guards = False
 
     def rebuild(self) -> None:
-        """Compile a fresh code object: every entry of the old one is forgotten.
+        """Compile a fresh code object: every entry of the old one is forgotten, and every
+        member calls the new one.
 
         Code objects other than the trampoline that were compiled for it (the
         module's own ``forward`` and its resume functions after a graph break)
@@ -172,6 +170,19 @@ class TargetCode:
         self.closure = (types.CellType(self.func if self.shared else self.members[0].bound),)
         fn = trampoline_function(self.trampoline, self.closure, self.shared)
         self.compiled = torch.compile(fn, **build_compile_kwargs(self.compile_kwargs, self._track))
+        for member in self.members:
+            member.compiled = self.caller(member.module)
+
+    def caller(self, module: nn.Module) -> Callable[..., Any]:
+        """What a call of ``module`` runs: the compiled trampoline (with the module as
+        its first argument for shared code)."""
+        if not self.shared:
+            return self.compiled
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self.compiled(module, *args, **kwargs)
+
+        return call
 
     def _track(self, entries: Sequence[Any]) -> list[bool]:
         """The guard filter Dynamo calls at each compile: filters, then records what the

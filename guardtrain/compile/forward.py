@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from guardtrain.compile import call_mode as _call_mode
+import guardtrain.compile.call_mode as _call_mode
 from guardtrain.compile.accept import accepts, admit, stance_choice
 from guardtrain.compile.call_mode import (
     any_autocast,

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from guardtrain.compile import call_mode as _call_mode
+import guardtrain.compile.call_mode as _call_mode
 from guardtrain.compile.call_mode import CallMode, outside_state_clear
 from guardtrain.compile.direct import DIRECT_LIMIT, DirectEntry
 from guardtrain.compile.miss import Miss, MissReason

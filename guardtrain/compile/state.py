@@ -104,9 +104,6 @@ class TargetState(Protocol):
     def call_scope(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The trampoline frame's locals for a call: what its guard managers read."""
 
-    def caller(self) -> Callable[..., Any]:
-        """What a call of the module runs: the code's compiled trampoline."""
-
     def rebuild(self) -> None:
         """Compile a fresh code object, for every target that shares it."""
 

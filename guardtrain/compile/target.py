@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from guardtrain.compile import verify as _verify
-from guardtrain.compile import watch as _watch
+import guardtrain.compile.verify as _verify
+import guardtrain.compile.watch as _watch
 from guardtrain.compile.assertions import Assertion, check, owner_dicts
 from guardtrain.compile.call_mode import CallMode
 from guardtrain.compile.code import TargetCode, structure_key
@@ -56,28 +56,22 @@ _MISSING = object()
 class CompiledTarget:
     """One module whose ``forward`` runs through a compiled trampoline.
 
-    The state its per-call path reads and writes is documented on
-    :class:`~guardtrain.compile.state.TargetState`; what it shares with other
-    members of its code is on :attr:`code` (:class:`~guardtrain.compile.code.TargetCode`).
+    Its per-call state is documented on :class:`~guardtrain.compile.state.TargetState`;
+    what it shares with other members of its code is on :attr:`code`.
 
     Args:
         name: the module's dotted name in the LightningModule (``""`` for itself).
         module: the module to compile in place.
         compile_kwargs: validated ``compile_kwargs`` (see :func:`check_compile_kwargs`).
         guard_filter: the filter to install (floor already added), or ``None``.
-        install_free_tensors: compile this target with ``install_free_tensors``
-            (ignored when it shares code).
+        install_free_tensors: compile with ``install_free_tensors`` (not for shared code).
         on_compile: called after each frame compilation of this target.
-        on_miss: called with a :class:`~guardtrain.compile.miss.Miss` on a stance miss,
-            or on a call whose ``(training, grad, autocast)`` mode was never compiled; it
-            must leave the stance. Returns True when the call may be retried with full
-            guards.
-        on_switch_off: called with a reason when ``install_free_tensors`` is switched
-            off for this target.
+        on_miss: called with a :class:`~guardtrain.compile.miss.Miss` when a call must
+            leave the stance; True when the call may be retried with full guards.
+        on_switch_off: called with why ``install_free_tensors`` is switched off here.
         share_with: a target of the same class and structure whose code this one
             shares (see :func:`share_groups`); None: code of its own.
-        shared: with ``share_with=None``, make code that later targets may share
-            (the module is an argument of the trampoline, no ``install_free_tensors``).
+        shared: with ``share_with=None``, make code that later targets may share.
         on_change: called with what changed before a call (:data:`ChangeHook`).
     """
 
@@ -137,7 +131,7 @@ class CompiledTarget:
         if share_with is not None:
             self.code = share_with.code
             self.code.members.append(self)
-            self.compiled = self.caller()
+            self.compiled = self.code.caller(module)
         else:
             self._own_code(compile_kwargs, guard_filter, install_free_tensors, shared=shared)
         self._wrapper = wrapper_for(self, self._func)
@@ -153,17 +147,14 @@ class CompiledTarget:
         code = TargetCode(self._func, compile_kwargs, guard_filter, install_free_tensors, shared)
         self.code = code
         code.members.append(self)
-        if shared:
-            code.group_key = structure_key(self.module, self._func)
-        if code.install_free_tensors:
-            region = nested_compile_region(self.module)
-            if region is not None:
-                self.free_tensors_off(
-                    f"it contains a nested compile region ({region}); Dynamo cannot trace "
-                    "one with install_free_tensors (H23)"
-                )
-        code.rebuild()
-        self.compiled = self.caller()
+        code.group_key = structure_key(self.module, self._func) if shared else None
+        region = nested_compile_region(self.module) if code.install_free_tensors else None
+        if region is not None:
+            self.free_tensors_off(
+                f"it contains a nested compile region ({region}); Dynamo cannot trace "
+                "one with install_free_tensors (H23)"
+            )
+        code.rebuild()  # sets `compiled`
 
     def detach(self) -> bool:
         """Stop sharing code with other targets (this target is being replaced).
@@ -180,22 +171,9 @@ class CompiledTarget:
         key = self.code.group_key
         return key is not None and structure_key(self.module, self._func) != key
 
-    def caller(self) -> Callable[..., Any]:
-        """What a call of the module runs: the code's compiled trampoline."""
-        code = self.code
-        if not code.shared:
-            return code.compiled
-        module = self.module
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return code.compiled(module, *args, **kwargs)
-
-        return call
-
     @property
     def graph_breaks(self) -> bool:
-        """Whether the code has graph breaks; read-only: the flag is the code's, for every
-        member (:meth:`TargetCode.mark_graph_breaks`)."""
+        """Whether the code has graph breaks (read-only: the code's flag, for every member)."""
         return self.code.graph_breaks
 
     def free_tensors_off(self, why: str) -> None:
@@ -204,20 +182,15 @@ class CompiledTarget:
         if self._on_switch_off is not None:
             self._on_switch_off(self, why)
 
-    # -- installing --------------------------------------------------------------------------
-
     @property
     def installed(self) -> bool:
         return bool(self._previous)
 
     def install(self) -> None:
-        """Install the compiled ``forward`` on the module (again, after :meth:`uninstall`).
-
-        The module also gets an instance ``__getstate__`` that leaves guardtrain's
-        attributes out of its state: ``pickle``, ``torch.save`` and ``copy.deepcopy``
-        of the module give a plain module that runs its own weights eagerly (H17,
-        H29), while this one keeps running compiled. Re-installing keeps the
-        compiled code and its Dynamo cache.
+        """Install the compiled ``forward`` on the module (again, after :meth:`uninstall`,
+        keeping the compiled code and its Dynamo cache), with an instance ``__getstate__``
+        that leaves guardtrain's attributes out: ``pickle``, ``torch.save`` and
+        ``copy.deepcopy`` give a plain module that runs eagerly (H17, H29).
 
         Raises:
             GuardTrainValueError: the module's ``forward`` is no longer the one
@@ -256,14 +229,10 @@ class CompiledTarget:
         _watch.unwatch(self)
         self.set_under_stance(False)
 
-    # -- compiling ---------------------------------------------------------------------------
-
     def rebuild(self) -> None:
         """Compile a fresh code object: every entry of the old one is forgotten, for
         every target that shares it."""
         self.code.rebuild()
-        for member in self.code.members if self.code.shared else [self]:
-            member.compiled = member.caller()
 
     def leave_shared_code(self, why: str) -> None:
         """Give this target private code of its own (it no longer fits the shared one)."""
@@ -287,8 +256,7 @@ class CompiledTarget:
         self.reference = None
 
     def entries_changed(self) -> None:
-        """An entry was compiled: forget what was harvested or accepted, and watch the
-        namespaces that the guards now read."""
+        """An entry was compiled: forget the dispatch; watch what the guards now read."""
         self.forget_dispatch()
         self.versions.reset(owner_dicts(self.code.assertions, self.scope()))
 
@@ -311,8 +279,7 @@ class CompiledTarget:
             self.forget_dispatch()
 
     def forget_dispatch(self) -> None:
-        """Empty the dispatch table and the accepted argument keys: later calls harvest
-        and are checked again, from real calls (the entries may have changed)."""
+        """Empty the dispatch table and the accepted argument keys (entries may change)."""
         self.dispatch_table = {}
         self.harvests = 0
         self.accepted = {}
@@ -322,8 +289,7 @@ class CompiledTarget:
         self.last_mode = None
 
     def allow_direct_dispatch(self, allowed: bool) -> None:
-        """Whether calls under the stance may run harvested entries (turbo, H30); takes
-        effect when the stance is next set."""
+        """Whether calls under the stance may run harvested entries (turbo, H30)."""
         self.direct_allowed = allowed
 
     def pair_calls_across_ranks(self, paired: bool) -> None:
@@ -354,8 +320,6 @@ class CompiledTarget:
         """No fingerprint until :meth:`take_reference` (taken after the next compile)."""
         self.reference = None
 
-    # -- state checks ------------------------------------------------------------------------
-
     def call_scope(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The trampoline frame's locals for a call: what its guard managers read."""
         if self.code.shared:
@@ -374,9 +338,8 @@ class CompiledTarget:
         return {CLOSURE_NAME: self.bound, "G": TRAMPOLINE_GLOBALS}
 
     def check_assertions(self, globals_too: bool = True) -> tuple[str | None, str | None]:
-        """Re-check what this target's guards asserted: ``(stale, unmatched)`` as
-        :func:`guardtrain.compile.assertions.check` says; :attr:`last_failed` is the
-        assertion named."""
+        """``(stale, unmatched)`` of :func:`guardtrain.compile.assertions.check` for this
+        target's assertions; :attr:`last_failed` is the assertion named."""
         stale, unmatched, self.last_failed = check(
             self.code.assertions, self.scope(), self.name, globals_too
         )

@@ -61,7 +61,7 @@ def stop_verify(target: TargetState) -> str | None:
         return None
     # The current code's caller: the code may have been rebuilt, or this target
     # may have left shared code, while it verified.
-    target.compiled = target.caller()
+    target.compiled = target.code.caller(target.module)
     target.unverified = None
     target.set_under_stance(target.under_stance)
     return target.mismatch
