@@ -5,7 +5,7 @@ on the call's own arguments, each check that issue 17 added to a steady call:
 
 * ``changed``: the event flag that module assignments and hooks set (one read);
 * ``versions``: the dictionary versions of the globals and plain objects that
-  the target's guards read (:class:`guardtrain.watch.DictVersions`);
+  the target's guards read (:class:`guardtrain.compile.watch.DictVersions`);
 * ``key``: the argument key (:func:`guardtrain.compile.call_key`) and its
   comparison with the previous call's, mode included.
 

@@ -83,14 +83,14 @@ def main() -> None:
         assert target.direct_calls > 0, "no direct calls: not in the steady state"
         with tuner.step(xs):
             model(*xs)  # harvest, in this batch, for the training mode
-            mode = next(iter(target.table))
-            direct = target.table[mode][0]
+            mode = next(iter(target.dispatch_table))
+            direct = target.dispatch_table[mode][0]
             assert (direct.manager is not None) == diff
             scope = lambda: target.call_scope(xs, {})  # noqa: E731
             found = gc.call_key(xs, {})
             assert found is not None
             key, tensors = found
-            live = gc._live_codes
+            live = gc.live_codes
             assert live is not None
             empty = per_call(lambda: None)
             rows = {
@@ -112,7 +112,7 @@ def main() -> None:
                     if diff
                     else {}
                 ),
-                "Direct.matches (all of the above but the outside state)": per_call(
+                "DirectEntry.matches (all of the above but the outside state)": per_call(
                     lambda: direct.matches(key, tensors, scope)
                 ),
             }

@@ -1,6 +1,6 @@
 """Cost of the per-call entry check of a batch with an unseen signature (H26).
 
-Times ``CompiledTarget.accepts`` for every target against one model call under
+Times ``guardtrain.compile.accept.accepts`` for every target against one model call under
 the stance, on the bench's 12-block transformer, whole model and 12 blocks
 (shared code), ``aggressive``, eager backend, ``no_grad``, one thread.
 
@@ -17,6 +17,7 @@ import torch
 
 from guardtrain import GuardTuner
 from guardtrain.bench.models import Transformer
+from guardtrain.compile.accept import accepts
 
 
 def median_us(fn: Callable[[], object], calls: int = 200, repeats: int = 7) -> float:
@@ -53,7 +54,7 @@ def measure(targets: list[str] | None, label: str) -> None:
 
         def check() -> None:
             for target in compiled:
-                assert target.accepts(args, {})
+                assert accepts(target, args, {})
 
         with tuner.step((x,)):
             check_us = median_us(check)

@@ -144,10 +144,10 @@ def build(n: int, config: str) -> tuple[nn.Module, CompiledTarget, Counting]:
 
 def guard_checker(target: CompiledTarget, x: torch.Tensor) -> Any:
     """A function that evaluates the target's one cache entry's guards for the call ``(x)``."""
-    entries = _debug_get_cache_entry_list(target.code)
+    entries = _debug_get_cache_entry_list(target.code.trampoline)
     assert len(entries) == 1, entries
     manager = entries[0].guard_manager
-    f_locals = {"args": (x,), "kwargs": {}, "bound": target._bound}
+    f_locals = {"args": (x,), "kwargs": {}, "bound": target.bound}
     assert manager.check(f_locals), "the guards of the compiled entry fail"
     return lambda: manager.check(f_locals)
 
@@ -174,7 +174,7 @@ def measure(n: int, repeats: int, calls: int, checks: int) -> dict[str, Any]:
             for _ in range(20):  # compile, then warm the caches
                 module(x)
         checkers = {c: guard_checker(built[c][1], x) for c in CONFIGS}
-    compiles = {c: built[c][1].compiles for c in CONFIGS}
+    compiles = {c: built[c][1].code.compiles for c in CONFIGS}
     samples: dict[str, dict[str, list[float]]] = {
         what: {c: [] for c in CONFIGS} for what in ("check", "lookup", "call")
     }
@@ -193,7 +193,7 @@ def measure(n: int, repeats: int, calls: int, checks: int) -> dict[str, Any]:
                 assert stats is not None and stats.lookups == calls, stats
                 samples["lookup"][c].append(stats.guard_us)
                 samples["call"][c].append(fastest(lambda m=module: m(x), calls, 10))
-    assert {c: built[c][1].compiles for c in CONFIGS} == compiles, "recompiled while measuring"
+    assert {c: built[c][1].code.compiles for c in CONFIGS} == compiles, "recompiled while measuring"
     # What the floor's guards buy: a changed scalar fails them; without them the entry still passes.
     for c in CONFIGS:
         built[c][0].a0 = 2.0

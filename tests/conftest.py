@@ -52,7 +52,7 @@ def _clean_dynamo():
     yield
     # A CompiledTarget a test made by hand stays installed (and watched) until it is
     # uninstalled: put every one back, so that the change tracking's wrappers go (H33).
-    from guardtrain import watch
+    from guardtrain.compile import watch
 
     for target, _, _ in list(watch._targets.values()):
         uninstall = getattr(target, "uninstall", None)

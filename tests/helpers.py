@@ -319,7 +319,7 @@ def assert_restored(model: nn.Module | None = None) -> None:
     # The change tracking's wrappers are gone (H33): every patched function is torch's own.
     from torch.utils.hooks import RemovableHandle
 
-    from guardtrain import watch
+    from guardtrain.compile import watch
 
     if model is not None:
         assert not [m for m in model.modules() if id(m) in watch._modules], "still watched"

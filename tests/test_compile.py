@@ -43,12 +43,12 @@ def test_both_call_paths_are_compiled_and_state_dict_keys_stay() -> None:
     ref = torch.tanh(block.lin(x))
     assert torch.equal(block(x), ref)
     assert torch.equal(block.forward(x), ref)
-    assert target.compiles == 1 and reasons == [None]
+    assert target.code.compiles == 1 and reasons == [None]
     assert list(block.state_dict()) == keys
     target.uninstall()
     assert "forward" not in block.__dict__
     block(x)
-    assert target.compiles == 1  # nothing compiled after uninstall
+    assert target.code.compiles == 1  # nothing compiled after uninstall
 
 
 @pytest.mark.parametrize(
@@ -59,7 +59,7 @@ def test_builtin_modules_are_compiled(module: nn.Module) -> None:
     x = torch.randn(2, 4)
     with torch.no_grad():
         assert torch.equal(module(x), module.__dict__["forward"].__wrapped__(x))
-    assert target.compiles == 1
+    assert target.code.compiles == 1
     assert not target.graph_breaks
     target.uninstall()
 
@@ -73,7 +73,7 @@ def test_install_free_tensors_instances_do_not_share_graphs() -> None:
     with torch.no_grad():
         assert torch.equal(a(x), torch.tanh(a.lin(x)))
         assert torch.equal(b(x), torch.tanh(b.lin(x)))
-    assert ta.compiles == tb.compiles == 1
+    assert ta.code.compiles == tb.code.compiles == 1
     assert torch._dynamo.config.install_free_tensors is False  # only set around the call
 
 
@@ -83,10 +83,10 @@ def test_rebuild_forgets_entries() -> None:
     x = torch.randn(2, 4)
     block(x)
     block(x)
-    assert target.compiles == 1
+    assert target.code.compiles == 1
     target.rebuild()
     block(x)
-    assert target.compiles == 2
+    assert target.code.compiles == 2
 
 
 def test_assertions_see_dropped_guards() -> None:

@@ -27,7 +27,7 @@ from helpers import (
 )
 from torch import nn
 
-import guardtrain.compile
+import guardtrain.compile.call_mode
 from guardtrain import versions
 
 
@@ -177,7 +177,7 @@ def test_model_summary_with_example_input(bypass: bool, monkeypatch: pytest.Monk
     batch rebuilds the target.
     """
     if not bypass:
-        monkeypatch.setattr(guardtrain.compile, "dispatch_mode_active", lambda: False)
+        monkeypatch.setattr(guardtrain.compile.call_mode, "dispatch_mode_active", lambda: False)
     cb, _ = compare(WithExample, lambda: guard(), enable_model_summary=True)
     s = cb.summary()
     assert s["compiles"] >= 2 and s["steady_steps"] > 0

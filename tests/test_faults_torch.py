@@ -85,7 +85,7 @@ def test_bug_torch_without_install_free_tensors_crashes_every_compiled_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """setup() switches the lever off with a warning on a torch without the config key,
-    but the installed ``forward`` (compile.py, ``_make_wrapper``) still reads
+    but the installed ``forward`` (``guardtrain/compile/forward.py``, ``guarded``) still reads
     ``cfg.install_free_tensors`` on every call: ``AttributeError``. (Not reachable with
     the declared ``torch>=2.8``; the switch-off branch exists for it.)"""
     monkeypatch.setattr(

@@ -149,7 +149,7 @@ def test_the_filter_drops_global_identity_and_hooks_guards_and_records_them() ->
     moved = [(t, n) for (t, n), k in by_type.items() if n.startswith("G[") and not k]
     assert {t for t, _ in moved} >= {"MODULE_MATCH", "CLOSURE_MATCH"}, moved
     # ... and recorded for the boundary re-check, named as the user knows them.
-    labels = {a.label for entry in target.assertions for a in entry if a.glob}
+    labels = {a.label for entry in target.code.assertions for a in entry if a.glob}
     assert "test_global_guards.act.__code__" in labels, labels
     assert {"test_global_guards.BUILTIN", "test_global_guards.ops"} <= labels, labels
     # The value of a global scalar stays per frame (H19); so do the floor's guards.
@@ -309,7 +309,7 @@ def test_hooks_dynamo_runs_at_run_time_need_no_recompile(preset: str, hooks: str
     # No compile and no re-arm for the hooks (only for modes and the short last batch).
     texts = [e["reason"] or "" for e in s["compile_events"]] + [r["reason"] for r in s["rearms"]]
     assert not any("hooks" in t.lower() for t in texts), texts
-    assert not any(t.c.keep_hooks_guard for t in cb._engine.kept)
+    assert not any(t.code.keep_hooks_guard for t in cb._engine.kept)
     if hooks == "python":
         assert PACKED  # the hooks ran in the compiled steps
 
@@ -332,7 +332,7 @@ def test_hooks_dynamo_inlines_keep_their_guard_from_then_on(preset: str) -> None
         assert "stance miss" in rearms[19], rearms
     events = {e["step"]: e["reason"] or "" for e in s["compile_events"]}
     assert events[16] == "first compile" and "top_saved_tensors_hooks" in events[19], events
-    assert all(t.c.keep_hooks_guard for t in cb._engine.kept)
+    assert all(t.code.keep_hooks_guard for t in cb._engine.kept)
     assert s["steady_steps"] > 0
 
 
@@ -364,8 +364,8 @@ def test_hooks_check_per_call_on_a_target() -> None:
 
     for ctx in (contextlib.nullcontext, graph_hooks, contextlib.nullcontext, graph_hooks):
         assert all(torch.equal(a, b) for a, b in zip(grads(net, ctx), grads(ref, ctx)))
-    assert target.c.keep_hooks_guard
-    assert target.compiles == 3  # without hooks, rebuilt under hooks, without hooks again
+    assert target.code.keep_hooks_guard
+    assert target.code.compiles == 3  # without hooks, rebuilt under hooks, without hooks again
 
 
 def _replace(name: str, scope: dict[str, Any]) -> Any:
@@ -397,11 +397,11 @@ def test_every_moved_global_guard_catches_its_change() -> None:
     for e, k in seen:
         if not k and e.name.startswith("G["):
             types_of.setdefault(e.name, set()).add(e.guard_type)
-    recorded = [a for entry in target.assertions for a in entry if a.glob and not a.kept]
+    recorded = [a for entry in target.code.assertions for a in entry if a.glob and not a.kept]
     assert len(recorded) >= 10, recorded
     # Kept guards on globals (a global scalar) are recorded too (H33): a change there
     # leaves the stance (Dynamo recompiles with full guards), so it is unmatched, not stale.
-    for a in [a for entry in target.assertions for a in entry if a.glob and a.kept]:
+    for a in [a for entry in target.code.assertions for a in entry if a.glob and a.kept]:
         if a.kind != "value":
             continue
         undo = _replace(a.name, target.scope())

@@ -250,7 +250,7 @@ def test_a_member_that_leaves_during_a_verify_batch_runs_its_own_code() -> None:
                 t.start_verify(1e-4, 1e-6)
             a(torch.randn(3, 4))  # a compile: b re-checks the shared entries at its call
             b(x)
-            assert tb.own_code is not None and not tb.shared
+            assert tb.own_code is not None and not tb.code.shared
             assert ta.stop_verify() is None and tb.stop_verify() is None
             assert torch.equal(b(x), torch.tanh(b.lin(x)))
             assert torch.equal(a(x), torch.relu(a.lin(x)))

@@ -26,7 +26,7 @@ import torch
 
 from guardtrain import filters as _filters
 from guardtrain.bench.models import ENGINE_CONFIGS, BenchModel
-from guardtrain.compile import CompiledTarget, check_compile_kwargs, resolve_targets
+from guardtrain.compile import CompiledTarget, Miss, check_compile_kwargs, resolve_targets
 from guardtrain.engine import decisions
 from guardtrain.engine.config import make_config
 from guardtrain.engine.core import GuardEngine, Host, Levers
@@ -175,15 +175,15 @@ class Runner:
 
     # -- the stance and the config, switched on only while this configuration runs -----------
 
-    def _on_miss(self, target: CompiledTarget, reason: str) -> bool:
-        self.misses.append(f"{target.name or '<root>'}: {reason}")
+    def _on_miss(self, target: CompiledTarget, miss: Miss) -> bool:
+        self.misses.append(f"{target.name or '<root>'}: {miss.text}")
         self._set_stance(False)
         return not target.graph_breaks
 
     def _set_stance(self, on: bool) -> None:
         if self.session.set_stance(on):
             for target in self.targets:
-                target.fast = on
+                target.set_under_stance(on)
 
     @contextmanager
     def active(self) -> Iterator[None]:

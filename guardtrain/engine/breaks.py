@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from guardtrain import compile as _compile
+from guardtrain.compile import trampoline as _trampoline
 
 __all__ = ["BreakLog", "GraphBreak", "describe", "entered", "short_path", "skipped_at_top"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_TRAMPOLINE_FILE = os.path.normcase(os.path.abspath(_compile.__file__))
+_TRAMPOLINE_FILE = os.path.normcase(os.path.abspath(_trampoline.__file__))
 _PACKAGE_DIRS = ("site-packages", "dist-packages")
 
 
@@ -105,7 +105,7 @@ def _first_line(reason: str) -> str:
 
 def _is_trampoline(frame: Any) -> bool:
     return (
-        frame.name in (_compile._TRAMPOLINE_NAME, _compile._SHARED_TRAMPOLINE_NAME)
+        frame.name in (_trampoline.TRAMPOLINE_NAME, _trampoline.SHARED_TRAMPOLINE_NAME)
         and os.path.normcase(os.path.abspath(frame.filename)) == _TRAMPOLINE_FILE
     )
 

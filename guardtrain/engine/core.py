@@ -27,9 +27,9 @@ from torch import nn
 from guardtrain import filters as _filters
 from guardtrain import versions as _versions
 from guardtrain.compile import (
-    UNACCEPTED,
-    UNSEEN_ARGUMENTS,
     CompiledTarget,
+    Miss,
+    MissReason,
     TakeOver,
     direct_supported,
     resolve_targets,
@@ -296,8 +296,8 @@ class GuardEngine:
         """Groups of targets that share one compiled code object (H24)."""
         groups: dict[int, list[CompiledTarget]] = {}
         for t in self.kept:
-            if t.shared:
-                groups.setdefault(id(t.c), []).append(t)
+            if t.code.shared:
+                groups.setdefault(id(t.code), []).append(t)
         return [
             {"class": type(g[0].module).__name__, "targets": [self._label(t) for t in g]}
             for g in groups.values()
@@ -516,8 +516,8 @@ class GuardEngine:
                 for name, module in resolved:
                     target = kept[(name, id(module))]
                     target.install()
-                    target.retry_eagerly = self._paired()
-                    target.direct_calls = 0  # counted in `restored`
+                    target.pair_calls_across_ranks(self._paired())
+                    target.take_call_counts()  # direct calls: counted in `restored`
                     self._allow_direct(target)
                     run.targets.append(target)
             else:
@@ -549,13 +549,13 @@ class GuardEngine:
                     on_change=self._on_change,
                 )
             )
-            made[-1].retry_eagerly = self._paired()
+            made[-1].pair_calls_across_ranks(self._paired())
             self._allow_direct(made[-1])
         return made
 
     def _allow_direct(self, target: CompiledTarget) -> None:
         """Whether ``target`` may run harvested entries directly (turbo, H30)."""
-        target.direct_allowed = False
+        target.allow_direct_dispatch(False)
         if not self.levers.direct_dispatch:
             return
         sharded = _fully_sharded(target.module)
@@ -568,7 +568,7 @@ class GuardEngine:
                 }
             )
             return
-        target.direct_allowed = True
+        target.allow_direct_dispatch(True)
 
     def _tell_take_over(self, names: list[str]) -> None:
         """One warning when the user's own compiles are taken over (once per change)."""
@@ -612,7 +612,7 @@ class GuardEngine:
         idle = [
             self._label(t)
             for t in self.run.targets
-            if t.compiles == 0 or (t.calls and t.cache_entries() == 0)
+            if t.code.compiles == 0 or (t.calls and t.cache_entries() == 0)
         ]
         if idle:
             self.run.uncompiled = idle
@@ -635,7 +635,7 @@ class GuardEngine:
     def _set_stance(self, on: bool) -> None:
         if self.session.set_stance(on):
             for target in self.run.targets:
-                target.set_fast(on)
+                target.set_under_stance(on)
 
     def _switch_off(self, lever: str, why: str) -> None:
         self.run.switched_off.append({"lever": lever, "why": why})
@@ -661,7 +661,7 @@ class GuardEngine:
 
     def _rebuild(self, target: CompiledTarget, reason: str) -> None:
         """Forget every compiled entry of ``target`` and send every loop back to warm-up."""
-        target.reference = None
+        target.forget_reference()
         target.rebuild()
         self._rearm(None, f"{self._label(target)}: {reason}; recompiling")
 
@@ -675,14 +675,12 @@ class GuardEngine:
     def _start_checking(self, described: str) -> None:
         self.run.checking = described
         for target in self.run.targets:
-            target.checking = True
+            target.start_checking()
 
     def _stop_checking(self) -> None:
         self.run.checking = None
         for target in self.run.targets:
-            target.checking = False
-            self.run.checked_calls += target.checks
-            target.checks = 0
+            self.run.checked_calls += target.stop_checking()
 
     def _caught(self, kind: Change, reason: str) -> None:
         """Count a change caught before a call; log the first of each kind."""
@@ -699,14 +697,18 @@ class GuardEngine:
             # collectives, and so would a boundary check that only this rank runs: the
             # change waits for the next boundary or audit, which every rank runs together.
             return
-        found = decide(target, target.fast)
+        found = decide(target, target.under_stance)
         if found is None:
             return
         action, kind, reason = found
-        if kind is Change.PARAMETERS and run.swaps_parameters and not target.install_free_tensors:
+        if (
+            kind is Change.PARAMETERS
+            and run.swaps_parameters
+            and not target.code.install_free_tensors
+        ):
             # FSDP swaps the parameter objects around every forward by design; without
             # install_free_tensors they are graph inputs, read afresh by every call.
-            target.reference = None  # taken again after the next compile
+            target.forget_reference()  # taken again after the next compile
             return
         self._caught(kind, f"{self._label(target)}: {reason} ({note})")
         if action is Action.LEAVE:
@@ -715,29 +717,30 @@ class GuardEngine:
         else:
             self._rebuild_or_leave_shared(target, reason)
 
-    def _on_miss(self, target: CompiledTarget, reason: str) -> bool:
-        if reason is UNSEEN_ARGUMENTS:
+    def _on_miss(self, target: CompiledTarget, miss: Miss) -> bool:
+        reason = miss.text
+        if miss.reason is MissReason.UNSEEN_ARGUMENTS:
             reason = f"{self._label(target)}: {reason}"
             self._caught(Change.ARGUMENTS, reason)
             self._stop_checking()
             self._rearm(self.run.loop, reason)
             return not target.graph_breaks
-        if reason.endswith(f"; {UNACCEPTED}"):
+        if miss.reason is MissReason.CHANGED or miss.reason is MissReason.WRITTEN:
             # A change seen before the call (H33): the stance's entry does not accept it.
-            reason = f"{self._label(target)}: {reason.removesuffix(f'; {UNACCEPTED}')}"
+            reason = f"{self._label(target)}: {reason}"
             reason += ": no compiled entry that the stance would run accepts the call"
-            written = "its guards read was written" in reason
+            written = miss.reason is MissReason.WRITTEN
             self._caught(Change.GLOBALS if written else Change.MODULE_STATE, reason)
             self._stop_checking()
             self._rearm(self.run.loop, reason)
             return not target.graph_breaks
-        if reason is UNACCEPTED and self.run.checking is None:
+        if miss.reason is MissReason.UNACCEPTED and self.run.checking is None:
             # Turbo checks every call it would run directly (H30), not only unseen batches.
             reason = (
                 f"direct dispatch: no compiled entry of {self._label(target)!r} accepts a "
                 "call with full guards"
             )
-        elif reason is UNACCEPTED:
+        elif miss.reason is MissReason.UNACCEPTED:
             reason = (
                 f"unseen batch signature {self.run.checking}: no compiled entry of "
                 f"{self._label(target)!r} accepts its inputs"
@@ -1057,21 +1060,20 @@ class GuardEngine:
                 # The break was at the call into a `forward` that Dynamo never compiles
                 # as a frame of its own (torch's modules, `nn.Transformer`): it ran
                 # uncompiled, and no resume frame showed the break (H20).
-                target.graph_breaks = True
+                target.code.mark_graph_breaks()
             if not target.graph_breaks:
                 if target.reference is None:
-                    target.reference = module_fingerprint(target.module)
+                    target.take_reference()
                 continue
             mine = mine or found
             if self.config.targets is None and self._split(target, mine):
                 continue
-            if target.install_free_tensors or target.drops_guards:
+            if target.code.install_free_tensors or target.code.drops_guards:
                 # The frames after a graph break run the module's own `forward`,
                 # whose code other instances share (install_free_tensors there is
                 # H12), and their guards name the frame's locals, which the
                 # boundary re-check cannot evaluate: keep every guard there.
-                target.install_free_tensors = False
-                target.drops_guards = False
+                target.code.keep_every_guard()
                 parts = [name for name, _ in _regions(target.name, target.module)]
                 hint = f"; to use the stance, compile its parts: targets={parts}" if parts else ""
                 self._switch_off(
@@ -1082,7 +1084,7 @@ class GuardEngine:
                 )
                 self._rebuild(target, "graph breaks: full guards, no install_free_tensors")
             elif target.reference is None:
-                target.reference = module_fingerprint(target.module)
+                target.take_reference()
 
     def _new_break_reasons(self) -> list[_breaks.GraphBreak]:
         """Dynamo's graph breaks since the last call: reason (first line), file and line."""
@@ -1099,10 +1101,9 @@ class GuardEngine:
         if not target.detach():  # the last user of its code (the others split in this pass)
             target.rebuild()  # forget its entries, resume functions included
         target.uninstall()
-        run.direct_calls += target.direct_calls
-        target.direct_calls = 0
-        run.full_guard_calls += target.full_guard_calls
-        target.full_guard_calls = 0
+        direct_calls, full_guard_calls = target.take_call_counts()
+        run.direct_calls += direct_calls
+        run.full_guard_calls += full_guard_calls
         index = run.targets.index(target)
         made = self._make_targets(parts)
         run.targets[index : index + 1] = made
@@ -1151,14 +1152,14 @@ class GuardEngine:
             rebuild = [(t, "another rank rebuilt its targets") for t in run.targets]
         rebuilt: set[int] = set()
         for target, change in rebuild:
-            drifted = target.shared and len(target.c.members) > 1 and target.drifted()
-            if drifted or id(target.c) not in rebuilt:  # shared code is rebuilt once
+            drifted = target.code.shared and len(target.code.members) > 1 and target.drifted()
+            if drifted or id(target.code) not in rebuilt:  # shared code is rebuilt once
                 if not drifted:
-                    rebuilt.add(id(target.c))
+                    rebuilt.add(id(target.code))
                 self._rebuild_or_leave_shared(target, change)
 
     def _rebuild_or_leave_shared(self, target: CompiledTarget, change: str) -> None:
-        if target.shared and len(target.c.members) > 1 and target.drifted():
+        if target.code.shared and len(target.code.members) > 1 and target.drifted():
             # Only this member changed its structure: it leaves the shared code,
             # whose entries stay right for the others (H24).
             target.leave_shared_code(f"{change}: it no longer has its group's structure")

@@ -72,7 +72,9 @@ class TargetView(Protocol):
 
     name: str
     calls: int
-    graph_breaks: bool
+
+    @property
+    def graph_breaks(self) -> bool: ...
 
     def cache_entries(self) -> int: ...
 

@@ -1,0 +1,80 @@
+"""Compiling targets in place, and undoing it: the compile package.
+
+Rooms (each file's first docstring line says what it is for):
+
+* ``options``: ``compile_kwargs`` checked, a mode expanded, the stance-miss test;
+* ``trampoline``: the template code objects Dynamo compiles, the one globals dict
+  (``TRAMPOLINE_GLOBALS``) that trampolines and direct dispatch share, frame tests
+  (:mod:`guardtrain.engine.breaks` uses them);
+* ``call_mode``: the per-call mode and argument keys (``call_key``), the
+  dispatch-mode and outside-state checks;
+* ``watch``: change tracking between calls (events for modules, versions for dicts);
+* ``assertions``: what a compile's guards asserted, recorded and re-checked;
+* ``code``: compiled code for one target or a group of identical blocks
+  (``TargetCode``, ``structure_key``, ``share_groups``);
+* ``miss``: why a call leaves the stance (``Miss``, ``MissReason``);
+* ``state``: what the per-call path reads and writes on a target (``TargetState``);
+* ``direct``: turbo's harvested entries (``DirectEntry``);
+* ``harvest``: harvesting and looking up direct entries;
+* ``accept``: whether the entry the stance would run accepts a call (H26, H32);
+* ``forward``: the installed ``forward``, a steady path and a warm path;
+* ``verify``: verify batches (eager beside compiled);
+* ``target``: ``CompiledTarget``, install and uninstall, what the engine asks of it;
+* ``resolve``: target resolution, each target's ``forward``, nested compile regions;
+* ``takeover``: taking over the user's own compiles.
+
+Imports point one way, from ``target`` down to ``options``, ``trampoline`` and
+``call_mode``: no module imports one that imports it.
+"""
+
+from __future__ import annotations
+
+from guardtrain.compile.assertions import Assertion, guard_code, plain_attributes, user_path
+from guardtrain.compile.call_mode import (
+    CallMode,
+    call_key,
+    dispatch_mode_active,
+    outside_state_clear,
+)
+from guardtrain.compile.code import TargetCode, share_groups, structure_key
+from guardtrain.compile.direct import DIRECT_LIMIT, DirectEntry, direct_supported, live_codes
+from guardtrain.compile.miss import Miss, MissReason
+from guardtrain.compile.options import (
+    COMPILE_KWARGS,
+    COMPILE_MODES,
+    build_compile_kwargs,
+    check_compile_kwargs,
+    is_stance_miss,
+)
+from guardtrain.compile.resolve import resolve_targets
+from guardtrain.compile.takeover import TakeOver, take_over_compiled
+from guardtrain.compile.target import CompiledTarget
+
+__all__ = [
+    "COMPILE_KWARGS",
+    "COMPILE_MODES",
+    "DIRECT_LIMIT",
+    "Assertion",
+    "CallMode",
+    "CompiledTarget",
+    "DirectEntry",
+    "Miss",
+    "MissReason",
+    "TakeOver",
+    "TargetCode",
+    "build_compile_kwargs",
+    "call_key",
+    "check_compile_kwargs",
+    "direct_supported",
+    "dispatch_mode_active",
+    "guard_code",
+    "is_stance_miss",
+    "live_codes",
+    "outside_state_clear",
+    "plain_attributes",
+    "resolve_targets",
+    "share_groups",
+    "structure_key",
+    "take_over_compiled",
+    "user_path",
+]

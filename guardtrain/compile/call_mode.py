@@ -1,0 +1,265 @@
+"""The per-call mode and argument keys, and the dispatch-mode and outside-state checks.
+
+A call's :data:`CallMode` (``training``, grad, inference mode, autocast) picks which
+entries the stance may run; its argument key (:func:`call_key`) says whether its
+plain arguments are ones an entry was shown to accept (H32) and which harvested
+entry may serve it directly (H30). Everything here runs on the per-call path and is
+written for it: module-level names bound once, no call where a test suffices.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _python_dispatch
+
+__all__ = [
+    "PLAIN_TYPES",
+    "CallMode",
+    "call_key",
+    "callback_handler",
+    "describe_call_mode",
+    "dispatch_mode_active",
+    "inlined_hooks_active",
+    "key_sources",
+    "masked",
+    "mode_of",
+    "outside_state_clear",
+    "structure",
+    "top_saved_hooks",
+    "unambiguous_modes",
+]
+
+is_grad_enabled = torch.is_grad_enabled
+is_inference = torch.is_inference_mode_enabled
+any_autocast: Callable[[], bool] = getattr(
+    torch._C, "_is_any_autocast_enabled", lambda: torch.is_autocast_enabled()
+)
+CallMode = tuple[bool, bool, bool, bool]
+"""``(training, grad enabled, inference mode, autocast on)`` of a call."""
+
+
+def mode_of(module: nn.Module) -> CallMode:
+    """The mode a call of ``module`` has now."""
+    return (module.training, is_grad_enabled(), is_inference(), any_autocast())
+
+
+def describe_call_mode(mode: CallMode, compiled: bool) -> str:
+    """Why a call of ``mode`` may not run under the stance (``compiled``: entries exist)."""
+    training, grad, inference, autocast = mode
+    what = (
+        f"a call with training={training}, grad enabled={grad}, inference mode={inference}, "
+        f"autocast={autocast}"
+    )
+    if compiled:
+        return (
+            f"{what}: entries for both training values exist under this grad mode and "
+            "autocast, and the stance cannot tell them apart"
+        )
+    return f"{what}, a combination not compiled with full guards"
+
+
+def unambiguous_modes(modes: set[CallMode]) -> set[CallMode]:
+    """The modes whose grad mode and autocast were compiled with one training value only."""
+    trainings: dict[tuple[bool, ...], set[bool]] = {}
+    for mode in modes:
+        trainings.setdefault(mode[1:], set()).add(mode[0])
+    return {m for m in modes if len(trainings[m[1:]]) == 1}
+
+
+# -- argument keys (H30, H32) ----------------------------------------------------------------
+
+PLAIN_TYPES: tuple[type, ...] = (bool, int, float, str, type(None), torch.dtype, torch.device)
+"""Argument types a key holds by value (beside the structure and the tensors)."""
+_PLAIN_KINDS = frozenset(PLAIN_TYPES)
+_ONE_TENSOR: tuple[Any, ...] = (1, torch.Tensor)
+_Tensor = torch.Tensor
+
+
+def _walk(value: Any, key: list[Any], tensors: list[torch.Tensor]) -> bool:
+    """Describe ``value`` into ``key`` (structure, plain values) and collect its tensors;
+    False for anything else (its state could change without a visible difference)."""
+    kind = type(value)
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
+        key.append(kind)  # the exact class: TensorGuards does not check a subclass
+        tensors.append(value)
+        return True
+    if kind in PLAIN_TYPES:
+        key.append((kind, value))
+        return True
+    if kind is tuple or kind is list:
+        key.append((kind, len(value)))
+        return all(_walk(v, key, tensors) for v in value)
+    if kind is dict:
+        key.append((kind, tuple(value)))
+        return all(_walk(v, key, tensors) for v in value.values())
+    return False
+
+
+# Kept whole: it runs on every call under the stance, and the common cases (one tensor;
+# tensors and plain values) are tested inline, without a call per argument.
+# Complexity 18: the per-call path, measured slower when split.
+def call_key(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
+    """A call's structure and plain argument values, and its tensors in order; None when
+    an argument is something else (a module, a custom object): that call is not
+    dispatched directly."""
+    if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
+        return _ONE_TENSOR, args  # type: ignore[return-value]  # `net(x)`, the common call
+    key: list[Any] = [len(args)]
+    tensors: list[torch.Tensor] = []
+    for value in args:
+        kind = type(value)
+        if kind is _Tensor:  # the common cases, without a call
+            key.append(_Tensor)
+            tensors.append(value)
+        elif kind in _PLAIN_KINDS:
+            key.append((kind, value))
+        elif not _walk(value, key, tensors):
+            return None
+    if kwargs:
+        key.append(tuple(kwargs))
+        for value in kwargs.values():
+            kind = type(value)
+            if kind is _Tensor:
+                key.append(_Tensor)
+                tensors.append(value)
+            elif kind in _PLAIN_KINDS:
+                key.append((kind, value))
+            elif not _walk(value, key, tensors):
+                return None
+    n = len(tensors)
+    if n > 1 and (tensors[0] is tensors[1] if n == 2 else len(set(map(id, tensors))) < n):
+        # Which arguments are one tensor: Dynamo merges a tensor passed twice into one
+        # graph input, so an entry harvested from (x, x) must not serve (x, y), nor the
+        # reverse (``TensorGuards`` refuses a repeated tensor, but not distinct ones).
+        ids = [id(t) for t in tensors]
+        key.append(tuple(ids.index(i) for i in ids))
+    return tuple(key), tensors
+
+
+def _walk_sources(value: Any, source: str, into: list[str | None]) -> None:
+    """Name each element :func:`_walk` appends for ``value`` by the guard source that
+    Dynamo gives it (``L['args'][1]``); None for a structure element."""
+    kind = type(value)
+    if kind is torch.Tensor or isinstance(value, torch.Tensor) or kind in PLAIN_TYPES:
+        into.append(source)
+    elif kind is tuple or kind is list:
+        into.append(None)
+        for i, v in enumerate(value):
+            _walk_sources(v, f"{source}[{i}]", into)
+    elif kind is dict:
+        into.append(None)
+        for k, v in value.items():
+            _walk_sources(v, f"{source}[{k!r}]", into)
+
+
+def key_sources(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str | None]:
+    """For each element of :func:`call_key`'s key, the guard source of the argument it
+    describes in the trampoline's frame (None for structure): which plain values
+    Dynamo's own stance checks (H32)."""
+    into: list[str | None] = [None]
+    for i, value in enumerate(args):
+        _walk_sources(value, f"L['args'][{i}]", into)
+    if kwargs:
+        into.append(None)
+        for name, value in kwargs.items():
+            _walk_sources(value, f"L['kwargs'][{name!r}]", into)
+    return into
+
+
+_WILD = object()
+"""Stands for a plain value that Dynamo's stance checks itself (see :func:`masked`)."""
+
+
+def masked(key: tuple[Any, ...], delegated: frozenset[int]) -> tuple[Any, ...]:
+    """``key`` with the plain values at ``delegated`` positions replaced by their type."""
+    return tuple((e[0], _WILD) if i in delegated else e for i, e in enumerate(key))
+
+
+def structure(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``key`` without its plain values: what positions in it mean."""
+    return tuple(
+        e[0] if type(e) is tuple and len(e) == 2 and e[0] in PLAIN_TYPES else e for e in key
+    )
+
+
+# -- what a frame's guards check about the world outside its arguments ------------------------
+
+_eval_frame = torch._dynamo.eval_frame
+_frame_callback: Callable[[], Any] = torch._C._dynamo.eval_frame.get_eval_frame_callback
+_function_modes: Callable[[], int] = torch._C._len_torch_function_stack
+top_saved_hooks: Callable[[bool], Any] = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None
+)
+"""The innermost active saved-tensor hooks, ``(pack, unpack)``, or None (0.04-0.09 µs a call)."""
+
+
+def inlined_hooks_active() -> bool:
+    """Whether active saved-tensor hooks are ones Dynamo traces into the graph (H31).
+
+    Dynamo's guard compares the ids of such hooks (``fx.GraphModule`` pack and
+    unpack) and reads any other hooks, or none, as ``None``: those run at run time
+    (AOTAutograd's saved tensors go through them), so every entry serves them.
+    True on a torch without the functions (the guard is then always kept).
+    """
+    if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
+        return True
+    hooks = top_saved_hooks(True)
+    if hooks is None:
+        return False
+    inlineable = _hooks_inlineable()
+    return True if inlineable is None else bool(inlineable(hooks))
+
+
+@functools.cache
+def _hooks_inlineable() -> Callable[[Any], bool] | None:
+    """AOTAutograd's test of inlineable hooks, imported once (None on another torch)."""
+    try:
+        from torch._functorch._aot_autograd.utils import saved_tensors_hooks_are_inlineable
+    except ImportError:  # pragma: no cover - another torch layout
+        return None
+    return saved_tensors_hooks_are_inlineable  # type: ignore[no-any-return]
+
+
+def outside_state_clear() -> bool:
+    """No compile callback, torch-function mode or saved-tensor hooks active (what the
+    guards of a frame check about the outside world, beside global state), and the
+    stance is the plain unsafe one guardtrain sets (not ``force_eager``, not another
+    backend): a harvested entry then runs what Dynamo would run."""
+    stance = _eval_frame._stance
+    return (
+        stance.skip_guard_eval_unsafe
+        and stance.stance == "default"
+        and stance.backend is None
+        and _frame_callback() is None
+        and not _function_modes()
+        and top_saved_hooks(True) is None
+    )
+
+
+_any_mode_on_stack: Callable[[], bool] = getattr(
+    _python_dispatch, "any_torch_dispatch_mode_on_stack", lambda: False
+)
+_any_mode: Callable[[], bool] = getattr(
+    _python_dispatch, "is_in_any_mode_without_ignore_compile_internals", lambda: False
+)
+
+
+def callback_handler() -> Any:
+    """Dynamo's compile callbacks (``torch._dynamo.callback_handler``), or None."""
+    return getattr(torch._dynamo, "callback_handler", None)
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode is active that makes Dynamo skip a frame (H18).
+
+    Mirrors Dynamo's own test in ``convert_frame``; ``False`` on a torch without it.
+    """
+    if getattr(torch._dynamo.config, "inline_torch_dispatch_torch_compile", False):
+        return bool(_any_mode_on_stack())
+    return bool(_any_mode())

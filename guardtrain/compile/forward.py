@@ -1,0 +1,285 @@
+"""The installed ``forward``: a steady path (under the stance) and a warm path (full guards).
+
+:func:`wrapper_for` makes the function installed as a target's ``forward``. Before a
+call it runs the rare checks (the shared code compiled since this member's last
+check, saved-tensor hooks, a change seen by an event or a moved namespace); then a
+call under the stance takes :func:`steady`, any other :func:`guarded`. Both are
+module functions of the target's state (:class:`~guardtrain.compile.state.TargetState`),
+so the per-call path does one global lookup where a method lookup was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import torch
+
+import guardtrain.compile.call_mode as _call_mode
+from guardtrain.compile.accept import accepts, admit, stance_choice
+from guardtrain.compile.call_mode import (
+    any_autocast,
+    call_key,
+    callback_handler,
+    describe_call_mode,
+    inlined_hooks_active,
+    is_grad_enabled,
+    is_inference,
+    mode_of,
+    top_saved_hooks,
+)
+from guardtrain.compile.harvest import direct_entry
+from guardtrain.compile.miss import Miss, MissReason
+from guardtrain.compile.options import is_stance_miss
+from guardtrain.compile.state import TargetState
+from guardtrain.compile.trampoline import compiling_frame
+
+__all__ = ["check_changed", "fit", "guarded", "steady", "with_full_guards", "wrapper_for"]
+
+_eval_frame = torch._dynamo.eval_frame
+_FREEVAR_ERROR = "Freevar has no source"
+_NOT_RUN = object()
+"""What a steady call returns when it left the stance instead of running."""
+_UNACCEPTED = Miss.of(MissReason.UNACCEPTED)
+_UNSEEN_ARGUMENTS = Miss.of(MissReason.UNSEEN_ARGUMENTS)
+_STANCE_MISS = Miss.of(MissReason.STANCE_MISS)
+_SAVED_HOOKS = Miss.of(MissReason.SAVED_HOOKS)
+
+
+def wrapper_for(target: TargetState, func: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``forward`` to install for ``target`` (``func``: the module's own function)."""
+
+    @functools.wraps(func)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if target.checked_generation != target.code.generation:
+            fit(target)  # the code compiled since: does it still fit this instance?
+        if top_saved_hooks(True) is not None:
+            saved_hooks_seen(target)  # saved-tensor hooks at this call (H31)
+        if target.changed:
+            check_changed(target, args, kwargs)  # an event: a module changed (H33, H34)
+        if target.under_stance:
+            if target.versions.moved():
+                check_changed(target, args, kwargs, written=True)
+            if target.under_stance:
+                out = steady(target, args, kwargs)
+                if out is not _NOT_RUN:
+                    return out
+        elif target.code.drops_guards and target.versions.moved():
+            check_changed(target, args, kwargs, written=True)
+        return guarded(target, args, kwargs)
+
+    forward.__wrapped__ = target.bound  # type: ignore[attr-defined]
+    forward._guardtrain_target = target  # type: ignore[attr-defined]
+    return forward
+
+
+def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A call under the stance; ``_NOT_RUN`` when it left the stance instead (the
+    caller then runs it with full guards)."""
+    code, module = target.code, target.module
+    mode = (module.training, is_grad_enabled(), is_inference(), any_autocast())
+    if mode not in code.stance_modes:
+        # The stance could pick an entry compiled for another mode.
+        described = describe_call_mode(mode, mode in code.modes)
+        target.on_miss(target, Miss(MissReason.MODE, described))
+        return _NOT_RUN
+    found = call_key(args, kwargs)
+    if found is None:
+        return with_full_guards(target, args, kwargs)  # no key describes the arguments
+    key, tensors = found
+    # With guard collectives (retry_eagerly) a check on this rank alone would break
+    # the pairing of collectives: Dynamo's shared misses decide there.
+    if (
+        (key != target.last_key or mode != target.last_mode)
+        and not target.retry_eagerly
+        and not admit(target, mode, key, args, kwargs)
+    ):
+        target.on_miss(target, _unadmitted(target, key))
+        return _NOT_RUN
+    if target.direct:
+        # Turbo (H30): the entry Dynamo chose for a call like this one, run below
+        # Dynamo's entry path once guardtrain's own checks pass.
+        direct = direct_entry(target, mode, key, tensors, args, kwargs)
+        if direct is not None:
+            if code.shared:
+                return direct.fn(module, *args, **kwargs)
+            return direct.fn(*args, **kwargs)
+        if not target.under_stance:
+            return _NOT_RUN
+    if target.checking and not accepts(target, args, kwargs):
+        # Unseen inputs (H26): no entry's guards accept them, so the stance would
+        # run an entry compiled for other shapes.
+        target.on_miss(target, _UNACCEPTED)
+        return _NOT_RUN
+    try:
+        return target.compiled(*args, **kwargs)
+    except RuntimeError as err:
+        return _after_stance_miss(target, err, args, kwargs)
+
+
+def _unadmitted(target: TargetState, key: tuple[Any, ...]) -> Miss:
+    """Why a call whose arguments no entry accepts leaves the stance."""
+    if (target.last_key is not None and key != target.last_key) or any(
+        type(e) is tuple for e in key
+    ):
+        return _UNSEEN_ARGUMENTS  # plain values, None, keywords or structure
+    # Only tensors: new inputs, as H26's check (an unseen batch) or turbo's harvest
+    # would find, else as the stance's own miss would say.
+    return _UNACCEPTED if target.direct or target.checking else _STANCE_MISS
+
+
+def _after_stance_miss(
+    target: TargetState, err: RuntimeError, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Dynamo's own miss under the stance (H4): leave it, then retry (eagerly with
+    guard collectives); any other error is raised."""
+    if not (is_stance_miss(err) and target.on_miss(target, _STANCE_MISS)):
+        raise err
+    if target.retry_eagerly:
+        return target.bound(*args, **kwargs)
+    return _NOT_RUN
+
+
+def with_full_guards(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run one call with Dynamo's full guards although the stance is on (its arguments
+    hold something no key describes): the stance is lifted around this call only."""
+    target.full_guard_calls += 1
+    stance = _eval_frame._stance
+    _eval_frame._stance = dataclasses.replace(stance, skip_guard_eval_unsafe=False)
+    try:
+        return guarded(target, args, kwargs)
+    finally:
+        _eval_frame._stance = stance
+
+
+def guarded(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A call with Dynamo's guards (outside the stance): may trace, so
+    ``install_free_tensors`` is set around it where this target uses it."""
+    if _call_mode.dispatch_mode_active():
+        # Dynamo would skip the frame and mark our code skipped for good
+        # (ModelSummary's FLOP count, H18): run this call eagerly instead.
+        return target.bound(*args, **kwargs)
+    target.calls += 1
+    code = target.code
+    code.current = target
+    if not code.install_free_tensors:
+        return target.compiled(*args, **kwargs)
+    cfg = torch._dynamo.config
+    previous = cfg.install_free_tensors
+    cfg.install_free_tensors = True
+    compiles = code.compiles
+    callbacks = callback_handler()
+
+    def only_the_trampoline(_: Any) -> None:
+        # Only the trampoline's own frame may trace with free tensors: a frame Dynamo
+        # compiles after a graph break in the same call is code that other instances
+        # share (the class's `forward` or its resume functions, H12).
+        torch._dynamo.config.install_free_tensors = compiling_frame()[0] is target.code.trampoline
+
+    if callbacks is not None:
+        callbacks.register_start_callback(only_the_trampoline)
+    try:
+        return target.compiled(*args, **kwargs)
+    except AssertionError as err:
+        now = target.code
+        if _FREEVAR_ERROR not in str(err) or now.graph_breaks or now.compiles != compiles:
+            raise
+        # A nested compile region the static scan did not see (H23). No frame
+        # compiled in this call, so the error came from tracing the first
+        # frame, before any of the forward ran: compile again without it.
+        target.free_tensors_off(
+            "Dynamo cannot trace a nested compile region with install_free_tensors "
+            f"(H23: {_FREEVAR_ERROR})"
+        )
+        target.rebuild()
+    finally:
+        if callbacks is not None:
+            callbacks.remove_start_callback(only_the_trampoline)
+        cfg.install_free_tensors = previous
+    return target.compiled(*args, **kwargs)
+
+
+def check_changed(
+    target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any], written: bool = False
+) -> None:
+    """Before a call: something this target reads may have changed (an event, or with
+    ``written`` a namespace whose version moved). The engine checks and acts (rebuilds
+    the target or leaves the stance); then, still under the stance, the entry the stance
+    would run must accept this call with its full guards, or the call leaves the stance:
+    the recorded assertions do not say which entry serves the call's grad mode or
+    autocast (an eval entry compiled under ``no_grad`` matches a submodule switched to
+    ``eval()`` in training). Then the versions and the watched modules start again."""
+    if written:
+        reason, note = MissReason.WRITTEN, MissReason.WRITTEN.value
+    else:
+        reason, note = MissReason.CHANGED, target.change_note or MissReason.CHANGED.value
+    target.changed = False
+    target.change_note = None
+    if target.on_change is not None:
+        target.on_change(target, note)
+    if (
+        target.under_stance
+        and not target.retry_eagerly
+        and stance_choice(target, args, kwargs) is None
+    ):
+        # In a batch with an unseen signature (H26) that is what the call is new in.
+        target.on_miss(target, _UNACCEPTED if target.checking else Miss(reason, note))
+    target.versions.reset()
+    if target.installed:
+        target.watch_modules()
+
+
+def fit(target: TargetState) -> None:
+    """Before a call through shared code that compiled since this target's last check:
+    leave it for code of its own if an entry that Dynamo could pick for this instance
+    asserted something a dropped guard no longer checks, or if no entry's kept
+    assertions hold for it (a scalar or flag that differs between instances: each
+    distinct value would add an entry, up to the recompile limit, after which the
+    instances would run eagerly) (H24)."""
+    code = target.code
+    target.checked_generation = code.generation
+    if len(code.members) < 2:
+        return
+    stale, unmatched = target.check_assertions(globals_too=False)
+    why = None
+    if target.drifted():
+        why = "its structure changed (parameters, submodules or attributes)"
+    elif stale is not None:
+        why = f"{stale}: a dropped guard; the shared code does not fit it"
+    elif unmatched is not None and mode_of(target.module) in code.modes:
+        # Not for a mode no entry was compiled for yet: Dynamo compiles that one.
+        why = f"{unmatched}: no shared entry fits it"
+    if why is None:
+        return
+    target.leave_shared_code(why)
+    if target.under_stance:  # under the stance: leave it, the new code has no entry yet
+        target.on_miss(
+            target, Miss(MissReason.SHARED_CODE, f"left its class's shared code ({why})")
+        )
+
+
+def saved_hooks_seen(target: TargetState) -> None:
+    """Saved-tensor hooks are active at this call (H31).
+
+    The filter may drop Dynamo's saved-tensor-hooks guard; this per-call check
+    replaces it (a once-per-batch check would miss ``save_on_cpu()`` entered
+    inside the step). Hooks that Dynamo does not inline (``save_on_cpu``, any
+    Python pair) are read by that guard as no hooks, so every entry serves
+    them and they run at run time: nothing to do. Hooks that Dynamo inlines
+    (``fx.GraphModule`` pack and unpack) need the guard: the code keeps it
+    from now on and, when an entry was compiled without it, is rebuilt, so
+    this call compiles with the guard (after leaving the stance).
+    """
+    code = target.code
+    if code.keep_hooks_guard and not code.dropped_hooks_guard:
+        return  # every entry has the guard: Dynamo tells them apart
+    if not inlined_hooks_active():
+        return
+    code.keep_hooks_guard = True
+    if not code.dropped_hooks_guard:
+        return
+    # An entry without the guard would accept a call under these hooks.
+    target.rebuild()
+    if target.under_stance:
+        target.on_miss(target, _SAVED_HOOKS)

@@ -1,0 +1,106 @@
+"""Harvesting for direct dispatch (turbo, H30): the entry Dynamo would choose, kept per mode.
+
+A call under the stance with direct dispatch looks in its target's dispatch table
+for a :class:`~guardtrain.compile.direct.DirectEntry` that matches it
+(:func:`direct_entry`); on none, it harvests one from a real call: the first cache
+entry whose full guard manager accepts the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import guardtrain.compile.call_mode as _call_mode
+from guardtrain.compile.call_mode import CallMode, outside_state_clear
+from guardtrain.compile.direct import DIRECT_LIMIT, DirectEntry
+from guardtrain.compile.miss import Miss, MissReason
+from guardtrain.compile.state import TargetState
+from guardtrain.compile.trampoline import cache_entry_list
+from guardtrain.guardcheck import check as _guard_check
+
+__all__ = ["direct_entry", "harvest", "may_harvest"]
+
+_UNACCEPTED = Miss.of(MissReason.UNACCEPTED)
+
+
+def direct_entry(
+    target: TargetState,
+    mode: CallMode,
+    key: tuple[Any, ...],
+    tensors: list[torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> DirectEntry | None:
+    """The harvested entry that runs this call directly, harvesting one if allowed,
+    counted in ``target.direct_calls``; None when the call takes the stance's path (the
+    world outside the arguments is not as the entries were harvested, or no entry may
+    be harvested) or left the stance (no entry accepts it)."""
+    if not outside_state_clear():
+        return None
+    for direct in target.dispatch_table.get(mode, ()):
+        if direct.matches(key, tensors, lambda: target.call_scope(args, kwargs)):
+            break
+    else:
+        if not may_harvest(target, mode) or _call_mode.dispatch_mode_active():
+            return None
+        harvested = harvest(target, mode, key, tensors, args, kwargs)
+        if harvested is None:
+            # No entry's guards accept the call: the stance would run one compiled for
+            # other inputs (H26).
+            target.on_miss(target, _UNACCEPTED)
+            return None
+        direct = harvested
+    target.direct_calls += 1
+    if target.checking:
+        target.checks += 1
+    return direct
+
+
+def may_harvest(target: TargetState, mode: CallMode) -> bool:
+    """Whether another harvest is allowed: :data:`DIRECT_LIMIT` per mode, four times
+    that in all, until the table is next emptied (inputs that change every call would
+    otherwise pay a guard evaluation and a table search each)."""
+    return (
+        len(target.dispatch_table.get(mode, ())) < DIRECT_LIMIT
+        and target.harvests < 4 * DIRECT_LIMIT
+    )
+
+
+def harvest(
+    target: TargetState,
+    mode: CallMode,
+    key: tuple[Any, ...],
+    tensors: list[torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> DirectEntry | None:
+    """The cache entry that Dynamo would choose for this call with full guards (the
+    first whose guard manager accepts it, in cache order), as a :class:`DirectEntry`
+    for calls like it, added to the table; None when no entry accepts the call."""
+    target.harvests += 1
+    found = _accepting_entry(target, args, kwargs)
+    if found is None:
+        return None
+    entry, entries = found
+    code = target.code
+    several = entries > 1 and code.mode_compiles.get(mode, 0) != 1
+    direct = DirectEntry(entry, code.closure, key, tensors, several=several)
+    target.dispatch_table.setdefault(mode, []).append(direct)
+    return direct
+
+
+def _accepting_entry(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``(entry, number of entries)`` for the first cache entry of the root code whose
+    guard manager accepts a call with these arguments (Dynamo's choice with full
+    guards, in cache order), or None."""
+    if cache_entry_list is None:
+        return None
+    scope = target.call_scope(args, kwargs)
+    entries = cache_entry_list(target.code.trampoline)
+    for entry in entries:
+        manager = getattr(entry, "guard_manager", None)
+        if manager is not None and _guard_check(manager, scope):
+            return entry, len(entries)
+    return None

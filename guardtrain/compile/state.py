@@ -1,0 +1,135 @@
+"""What the per-call path reads and writes on a target: :class:`TargetState`.
+
+The wrapper (:mod:`guardtrain.compile.forward`), the stance's acceptance checks
+(:mod:`guardtrain.compile.accept`), harvesting (:mod:`guardtrain.compile.harvest`) and
+verify batches (:mod:`guardtrain.compile.verify`) work on a target through this
+protocol; :class:`~guardtrain.compile.target.CompiledTarget` implements it. The state
+lives on the target itself: on the per-call path each read is one attribute lookup.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+from torch import nn
+
+from guardtrain.compile.call_mode import CallMode
+from guardtrain.compile.code import TargetCode
+from guardtrain.compile.direct import DirectEntry
+from guardtrain.compile.miss import Miss
+from guardtrain.compile.watch import DictVersions
+
+__all__ = ["TargetState"]
+
+
+class TargetState(Protocol):
+    """One target as its per-call path sees it."""
+
+    name: str
+    """The module's dotted name in the root module (``""`` for the root itself)."""
+    module: nn.Module
+    bound: Callable[..., Any]
+    """The module's own ``forward``, bound to it: what an eager call runs."""
+    code: TargetCode
+    """The compiled code this target runs; shared by every member of a group (H24)."""
+    compiled: Callable[..., Any]
+    """What a call with Dynamo's guards runs: the code's compiled trampoline (the
+    verifying wrapper during a verify batch)."""
+    on_miss: Callable[[Any, Miss], bool]
+    """Called when a call leaves the stance; True when it may be retried with full guards."""
+    on_change: Callable[[Any, str], None] | None
+    """Called with what changed before a call of a target whose state may have changed:
+    the engine checks the target and rebuilds it or leaves the stance (H33)."""
+
+    under_stance: bool
+    """True while the unsafe stance is on: calls skip the config patch."""
+    direct: bool
+    """True while calls under the stance may run a harvested entry directly (turbo)."""
+    direct_calls: int
+    """Calls that ran a harvested entry directly."""
+    dispatch_table: dict[CallMode, list[DirectEntry]]
+    """Harvested entries per mode (direct dispatch), for this module: with shared code
+    another member's kept guards (a scalar attribute) may pick another entry. Emptied
+    whenever the stance goes off and on every rebuild."""
+    harvests: int
+    """Guard-manager evaluations spent harvesting since the table was last emptied."""
+    checking: bool
+    """While True (a batch with an unseen signature under the stance), each call under
+    the stance first evaluates the cache entries' guards itself (H26)."""
+    checks: int
+    """Calls checked that way, and accepted."""
+    retry_eagerly: bool
+    """Retry a stance miss with the plain ``forward``: with guard collectives the miss
+    may be another rank's, and a second compiled call here would issue a collective
+    that the other ranks never match."""
+    changed: bool
+    """Set by an event (:mod:`guardtrain.compile.watch`): a module in this target was
+    assigned to, or gained or lost a hook; the next call checks the target first (H33,
+    H34)."""
+    change_note: str | None
+    """What the first event since the last check was."""
+    versions: DictVersions
+    """Global namespaces and plain objects that this target's guards read, with the
+    versions they had at the last compile or check."""
+    accepted: dict[CallMode, set[tuple[Any, ...]]]
+    """Argument keys (:func:`~guardtrain.compile.call_mode.call_key`) that the stance's
+    own choice of entry was shown to accept, per mode (H32); emptied whenever the
+    entries may change."""
+    accepted_masked: dict[CallMode, set[tuple[Any, ...]]]
+    """The same with the plain values that Dynamo's stance checks itself masked
+    (:func:`~guardtrain.compile.call_mode.masked`): an int that Dynamo made dynamic."""
+    delegated: dict[tuple[Any, ...], frozenset[int]]
+    """Per key :func:`~guardtrain.compile.call_mode.structure`, the positions of plain
+    values in the entries' diff guards, which the stance evaluates on every call."""
+    last_key: tuple[Any, ...] | None
+    """The argument key of the last call admitted under the stance."""
+    last_mode: CallMode | None
+    full_guard_calls: int
+    """Calls under the stance whose arguments no key describes (a module, an object):
+    they ran with full guards."""
+    checked_generation: int
+    """The code's generation at which this member was last checked against its entries."""
+    calls: int
+    """Calls outside the stance since the last rebuild (a called target with no compile
+    ran uncompiled: Dynamo skipped its code)."""
+    unverified: Callable[..., Any] | None
+    """During a verify batch, what :attr:`compiled` was before it (else None)."""
+    mismatch: str | None
+    """The first difference from eager that the current verify batch saw."""
+
+    @property
+    def installed(self) -> bool:
+        """Whether the compiled ``forward`` is installed on the module."""
+
+    def call_scope(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The trampoline frame's locals for a call: what its guard managers read."""
+
+    def rebuild(self) -> None:
+        """Compile a fresh code object, for every target that shares it."""
+
+    def leave_shared_code(self, why: str) -> None:
+        """Give this target private code of its own."""
+
+    def drifted(self) -> bool:
+        """Whether this member of shared code no longer has the group's structure."""
+
+    def check_assertions(self, globals_too: bool = True) -> tuple[str | None, str | None]:
+        """Re-check what this target's guards asserted: ``(stale, unmatched)``."""
+
+    def free_tensors_off(self, why: str) -> None:
+        """Switch ``install_free_tensors`` off for this target's code."""
+
+    def set_under_stance(self, on: bool) -> None:
+        """The stance went on or off."""
+
+    def watch_modules(self) -> None:
+        """Events of every module in the target mark it."""
+
+    def code_rebuilt(self) -> None:
+        """The code was rebuilt: forget what was learnt about its entries."""
+
+    def entries_changed(self) -> None:
+        """An entry was compiled: forget what was harvested or accepted."""
+
+    def code_compiled(self, reason: str | None) -> None:
+        """This member's call compiled an entry (``reason``: Dynamo's recompile reason)."""
