@@ -176,20 +176,27 @@ class BreakLog:
         batch = records[start:]
         self._count = len(records)
         self._last = records[-1] if records else None
-        found: list[GraphBreak] = []
-        places: dict[tuple[str, str], int] = {}
-        for record in batch:
-            if not getattr(record, "graph_break", True):
-                continue
-            found_break = _from_record(record)
-            key = (found_break.reason, found_break.where)
-            if key in places:
-                known = found[places[key]]
-                more = tuple(e for e in found_break.entered if e not in known.entered)
-                if more:
-                    found[places[key]] = GraphBreak(known.reason, known.where, known.entered + more)
-                continue
-            places[key] = len(found)
-            found.append(found_break)
-        real = [b for b in found if b.reason != "step_unsupported"]
-        return real or found
+        return _one_per_place(batch)
+
+
+def _one_per_place(records: list[Any]) -> list[GraphBreak]:
+    """The graph breaks in ``records``, one per (reason, place), in order; each keeps
+    every frame it was entered from. ``step_unsupported`` records that only follow a
+    break are dropped when there is a real one."""
+    found: list[GraphBreak] = []
+    places: dict[tuple[str, str], int] = {}
+    for record in records:
+        if not getattr(record, "graph_break", True):
+            continue
+        found_break = _from_record(record)
+        key = (found_break.reason, found_break.where)
+        if key in places:
+            known = found[places[key]]
+            more = tuple(e for e in found_break.entered if e not in known.entered)
+            if more:
+                found[places[key]] = GraphBreak(known.reason, known.where, known.entered + more)
+            continue
+        places[key] = len(found)
+        found.append(found_break)
+    real = [b for b in found if b.reason != "step_unsupported"]
+    return real or found

@@ -114,6 +114,46 @@ def _cache_path(value: Any) -> str | None:
     return path
 
 
+def _check_flags(measure_lookup: Any, **flags: Any) -> None:
+    """Each of ``flags`` is a bool; ``measure_lookup`` is a bool or None."""
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            raise GuardTrainTypeError(f"`{flag}` must be a bool, got {value!r}.")
+    if measure_lookup is not None and not isinstance(measure_lookup, bool):
+        raise GuardTrainTypeError(
+            f"`measure_lookup` must be a bool or None, got {measure_lookup!r}."
+        )
+
+
+def _check_tolerances(**tolerances: Any) -> None:
+    """Each of ``tolerances`` is a number >= 0 (not a bool)."""
+    for flag, tol in tolerances.items():
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+            raise GuardTrainValueError(f"`{flag}` must be a number >= 0, got {tol!r}.")
+
+
+def _filter_spec(
+    kwargs: dict[str, Any], guard_filter: _filters.FilterSpec, default: _filters.FilterSpec
+) -> _filters.FilterSpec:
+    """The guard filter: ``compile_kwargs``' ``guard_filter_fn``, ``guard_filter``, or the
+    preset's; passed twice is an error, and an unknown name fails here."""
+    in_options = (kwargs.get("options") or {}).get("guard_filter_fn")
+    if in_options is not None and guard_filter is not None:
+        raise GuardTrainValueError(
+            "A guard filter was passed twice: as `guard_filter` and as "
+            "`compile_kwargs['options']['guard_filter_fn']`. Pass it once, as `guard_filter`."
+        )
+    spec: _filters.FilterSpec
+    if in_options is not None:
+        spec = in_options
+    elif guard_filter is not None:
+        spec = guard_filter
+    else:
+        spec = default
+    _filters.resolve(spec)  # unknown names fail here, when the adapter is made
+    return spec
+
+
 def make_config(
     preset: str = "balanced",
     *,
@@ -166,38 +206,18 @@ def make_config(
             "direct dispatch runs only in the steady state. Pass use_stance=True, or "
             "direct_dispatch=False."
         )
-    for flag, value in (
-        ("unsafe_drop_floor", unsafe_drop_floor),
-        ("log_metrics", log_metrics),
-        ("guard_collectives", guard_collectives),
-    ):
-        if not isinstance(value, bool):
-            raise GuardTrainTypeError(f"`{flag}` must be a bool, got {value!r}.")
-    if measure_lookup is not None and not isinstance(measure_lookup, bool):
-        raise GuardTrainTypeError(
-            f"`measure_lookup` must be a bool or None, got {measure_lookup!r}."
-        )
+    _check_flags(
+        measure_lookup,
+        unsafe_drop_floor=unsafe_drop_floor,
+        log_metrics=log_metrics,
+        guard_collectives=guard_collectives,
+    )
     window = _every("lookup_window", lookup_window)
     if window is None:
         raise GuardTrainValueError("`lookup_window` must be >= 1, got None.")
-    for flag, tol in (("verify_rtol", verify_rtol), ("verify_atol", verify_atol)):
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
-            raise GuardTrainValueError(f"`{flag}` must be a number >= 0, got {tol!r}.")
+    _check_tolerances(verify_rtol=verify_rtol, verify_atol=verify_atol)
     kwargs = check_compile_kwargs(compile_kwargs)
-    in_options = (kwargs.get("options") or {}).get("guard_filter_fn")
-    if in_options is not None and guard_filter is not None:
-        raise GuardTrainValueError(
-            "A guard filter was passed twice: as `guard_filter` and as "
-            "`compile_kwargs['options']['guard_filter_fn']`. Pass it once, as `guard_filter`."
-        )
-    spec: _filters.FilterSpec
-    if in_options is not None:
-        spec = in_options
-    elif guard_filter is not None:
-        spec = guard_filter
-    else:
-        spec = levers.guard_filter
-    _filters.resolve(spec)  # unknown names fail here, when the adapter is made
+    spec = _filter_spec(kwargs, guard_filter, levers.guard_filter)
     return GuardConfig(
         preset=preset,
         levers=levers,
