@@ -33,17 +33,13 @@ from guardtrain.engine.checks import Checks
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
 from guardtrain.engine.host import Host
 from guardtrain.engine.lookup import LookupWindows
-from guardtrain.engine.phases import Loop, Phase, PhaseMachine
-from guardtrain.engine.reactions import Reactions, RunState
+from guardtrain.engine.phases import Phase, PhaseMachine
+from guardtrain.engine.reactions import STEADY, TRAIN, Reactions, RunState
 from guardtrain.engine.session import StanceSession
 from guardtrain.engine.targets import Hooks, TargetSet
 from guardtrain.monitor import CompileMonitor
 
 __all__ = ["GuardEngine"]
-
-# Plain strings on the per-batch path: an Enum member lookup costs more than the check.
-TRAIN: str = Loop.TRAIN.value
-STEADY: str = Phase.STEADY.value
 
 
 class GuardEngine(Reactions):

@@ -1,12 +1,16 @@
-"""The engine's reactions: what it does with what the checks find and the targets report.
+"""The engine's acts and reactions: what it does with what checks find and targets report.
 
-:class:`Reactions` is the part of :class:`~guardtrain.engine.engine.GuardEngine`
-that acts: it runs the checks around a batch (:mod:`~guardtrain.engine.checks`
-returns their findings), answers its targets' reports (a compile, a miss, a
-change seen before a call), and holds the only code that re-arms, rebuilds or
-switches the stance. :class:`RunState` is what the engine itself remembers of
-one run; its rooms (levers, targets, checks, lookup windows) keep the rest.
-"""
+Two parts of :class:`~guardtrain.engine.engine.GuardEngine`, which inherits them:
+
+* :class:`Acts`: the only code that re-arms, rebuilds, switches the stance or
+  enters it (the entry decision), and the answers to what the targets report
+  (a compile, a miss, a change seen before a call);
+* :class:`Reactions`: the checks run around a batch (an unseen signature, a
+  lookup window, an audit, a verify batch, the boundary re-check, graph breaks
+  after a compile); :mod:`~guardtrain.engine.checks` returns their findings.
+
+:class:`RunState` is what the engine itself remembers of one run; its rooms
+(levers, targets, checks, lookup windows) keep the rest."""
 
 from __future__ import annotations
 
