@@ -12,7 +12,8 @@ from typing_extensions import override
 from guardtrain.arguments import adapter_init, argument_parameters, document_arguments
 from guardtrain.engine.agreement import ReduceAgreement
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
-from guardtrain.engine.core import GuardEngine, Host
+from guardtrain.engine.engine import GuardEngine
+from guardtrain.engine.host import Host
 from guardtrain.engine.phases import Loop
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.presets import GuardPreset

@@ -33,7 +33,8 @@ from torch import nn
 from guardtrain.arguments import adapter_init, document_arguments
 from guardtrain.engine.agreement import RankAgreement, ReduceAgreement, TorchDistributed
 from guardtrain.engine.config import GuardConfig
-from guardtrain.engine.core import GuardEngine, Host
+from guardtrain.engine.engine import GuardEngine
+from guardtrain.engine.host import Host
 from guardtrain.engine.phases import LOOPS, Loop
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainValueError
 from guardtrain.presets import GuardPreset
@@ -302,9 +303,9 @@ class GuardTuner:
 
     def _sharded_by_hand(self) -> str | None:
         """FSDP2's ``fully_shard`` applied to the model without a Fabric strategy (H37)."""
-        from guardtrain.engine.core import _fully_sharded
+        from guardtrain.engine.targets import fully_sharded
 
-        found = _fully_sharded(self._root)
+        found = fully_sharded(self._root)
         return None if found is None else f"FSDP2's fully_shard on {found}"
 
     def _rank_zero(self) -> bool:

@@ -79,7 +79,7 @@ def main() -> None:
                     model.flag = True
                     model(*xs).sum().backward()
                     model.flag = False
-        target = tuner.engine.run.targets[0]
+        target = tuner.engine.targets.installed[0]
         assert target.direct_calls > 0, "no direct calls: not in the steady state"
         with tuner.step(xs):
             model(*xs)  # harvest, in this batch, for the training mode

@@ -49,7 +49,7 @@ def measure(targets: list[str] | None, label: str) -> None:
         for _ in range(6):
             with tuner.step((x,)):
                 model(x)
-        compiled = tuner.engine.run.targets
+        compiled = tuner.engine.targets.installed
         args = (x,) if targets is None else (model.inp(x),)
 
         def check() -> None:

@@ -11,10 +11,11 @@ import torch
 from helpers import Net, assert_restored
 from torch import nn
 
-from guardtrain.engine import decisions, report
+from guardtrain.engine import decisions, summary
 from guardtrain.engine.agreement import ReduceAgreement, SingleProcess, TorchDistributed
 from guardtrain.engine.config import make_config
-from guardtrain.engine.core import GuardEngine, Host
+from guardtrain.engine.engine import GuardEngine
+from guardtrain.engine.host import Host
 from guardtrain.engine.phases import LOOPS, Loop, Phase, PhaseMachine
 from guardtrain.engine.session import StanceSession, stance_is_unsafe
 from guardtrain.errors import GuardTrainRuntimeError
@@ -122,7 +123,7 @@ def test_agreements() -> None:
 
 
 def test_report() -> None:
-    assert report.metrics("steady", 3, 1) == {
+    assert summary.metrics("steady", 3, 1) == {
         "guard/phase": 2.0,
         "guard/compiles": 3.0,
         "guard/rearms": 1.0,
@@ -185,7 +186,7 @@ def test_engine_without_a_trainer() -> None:
 def test_direct_dispatch_is_off_when_every_target_is_refused() -> None:
     """H37: with each target refused (FSDP2's fully_shard), ``direct_dispatch["on"]`` is
     False; one target left is enough for True."""
-    from guardtrain.engine.core import _every_target_refused
+    from guardtrain.engine.summary import _every_target_refused
 
     refused = [{"target": "blocks.0", "why": "sharded"}, {"target": "blocks.1", "why": "sharded"}]
     assert _every_target_refused(["blocks.0", "blocks.1"], refused) is True

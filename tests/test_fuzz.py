@@ -270,7 +270,7 @@ def test_the_harness_catches_a_stale_graph(monkeypatch: pytest.MonkeyPatch) -> N
     (Dynamo does not enforce hook guards by default, in any preset.)"""
     from fuzz_support import Divergence
 
-    from guardtrain.engine.core import GuardEngine
+    from guardtrain.engine.engine import GuardEngine
 
     monkeypatch.setattr(GuardEngine, "_boundary_check", lambda self, loop: None)
     monkeypatch.setattr(GuardEngine, "_on_change", lambda self, target, note: None)

@@ -309,7 +309,7 @@ def test_hooks_dynamo_runs_at_run_time_need_no_recompile(preset: str, hooks: str
     # No compile and no re-arm for the hooks (only for modes and the short last batch).
     texts = [e["reason"] or "" for e in s["compile_events"]] + [r["reason"] for r in s["rearms"]]
     assert not any("hooks" in t.lower() for t in texts), texts
-    assert not any(t.code.keep_hooks_guard for t in cb._engine.kept)
+    assert not any(t.code.keep_hooks_guard for t in cb._engine.targets.kept)
     if hooks == "python":
         assert PACKED  # the hooks ran in the compiled steps
 
@@ -332,7 +332,7 @@ def test_hooks_dynamo_inlines_keep_their_guard_from_then_on(preset: str) -> None
         assert "stance miss" in rearms[19], rearms
     events = {e["step"]: e["reason"] or "" for e in s["compile_events"]}
     assert events[16] == "first compile" and "top_saved_tensors_hooks" in events[19], events
-    assert all(t.code.keep_hooks_guard for t in cb._engine.kept)
+    assert all(t.code.keep_hooks_guard for t in cb._engine.targets.kept)
     assert s["steady_steps"] > 0
 
 

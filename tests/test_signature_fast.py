@@ -166,7 +166,7 @@ def test_steady_loop_sees_every_signature_change() -> None:
         _steps(tuner, model, [_pair() for _ in range(4)])
         assert tuner.phase == "steady" and len(tuner.summary()["rearms"]) == 1
         # A rebuilt target forgets every signature: the matcher must not survive it.
-        engine._rebuild(engine.run.targets[0], "test")
+        engine._rebuild(engine.targets.installed[0], "test")
         assert engine.machine.loops["train"].last_signature is None
         assert engine.run.same_signature["train"] is not None
         _steps(tuner, model, [_pair() for _ in range(6)])

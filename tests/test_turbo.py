@@ -50,7 +50,7 @@ class Marked(torch.Tensor):
 
 
 def _direct_calls(tuner: GuardTuner) -> int:
-    return sum(t.direct_calls for t in tuner.engine.run.targets)
+    return sum(t.direct_calls for t in tuner.engine.targets.installed)
 
 
 @contextlib.contextmanager
@@ -268,7 +268,7 @@ def test_entries_told_apart_by_diff_guards_run_their_own(what: str) -> None:
                         set_value(eager, on)
                         assert torch.equal(got, eager(x)), (what, on)
             assert _direct_calls(t) >= 8
-            assert [tt.cache_entries() for tt in t.engine.run.targets] == [2]
+            assert [tt.cache_entries() for tt in t.engine.targets.installed] == [2]
     finally:
         FLAG = False
 
@@ -366,7 +366,7 @@ def test_verify_batches_take_the_normal_path() -> None:
             with tuner.step((x,)):
                 before = _direct_calls(tuner)
                 model(x).sum().backward()
-                counts.append((tuner.engine.run.verify_batch, _direct_calls(tuner) - before))
+                counts.append((tuner.engine.checks.verify_batch, _direct_calls(tuner) - before))
     assert any(verify for verify, _ in counts)
     assert all(n == 0 for verify, n in counts if verify)
     assert any(n == 1 for verify, n in counts if not verify)

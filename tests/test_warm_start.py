@@ -135,7 +135,7 @@ def test_write_is_atomic_and_creates_the_folder(tmp_path: Path) -> None:
 
 
 def test_only_rank_zero_saves(artifacts: Callable[[], None], tmp_path: Path) -> None:
-    from guardtrain.engine.core import Host
+    from guardtrain.engine.host import Host
 
     artifacts()
     path = tmp_path / "c.bin"

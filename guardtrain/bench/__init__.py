@@ -16,7 +16,7 @@ Configurations:
   code object and one cache).
 * ``off``, ``safe``, ``balanced``, ``aggressive``: the presets, with the levers
   the engine resolves for them on this torch (:func:`~guardtrain.bench.runner.preset_levers`:
-  a :class:`~guardtrain.engine.core.GuardEngine` set up as for a run): one
+  a :class:`~guardtrain.engine.engine.GuardEngine` set up as for a run): one
   :class:`~guardtrain.compile.CompiledTarget` per target with the preset's
   filter and soundness floor and ``install_free_tensors``; Dynamo config values
   and (``use_stance``) ``skip_guard_eval_unsafe`` set through a
@@ -24,7 +24,7 @@ Configurations:
   configuration runs; the stance entered after warm-up unless
   :func:`guardtrain.engine.decisions.blocker` says no, with the targets'
   per-call ``training`` check and miss handler on.
-* ``turbo``: run by a whole :class:`~guardtrain.engine.core.GuardEngine`
+* ``turbo``: run by a whole :class:`~guardtrain.engine.engine.GuardEngine`
   (:class:`~guardtrain.bench.runner.EngineRunner`), not only with its levers:
   each turn of the configuration is one training batch of the engine
   (``batch_start``/``batch_end``, the model's input as the batch), so the engine

@@ -1,7 +1,7 @@
 """One configuration of one model: its own copy of the model, compiled its own way.
 
 The presets get their levers from the engine (:func:`preset_levers`: a
-:class:`~guardtrain.engine.core.GuardEngine` set up for this torch, exactly as
+:class:`~guardtrain.engine.engine.GuardEngine` set up for this torch, exactly as
 the callback's run would be); the stance and Dynamo's config values go
 through a :class:`~guardtrain.engine.session.StanceSession`, switched on only
 while the configuration runs; what blocks the stance is
@@ -28,8 +28,10 @@ from guardtrain import filters as _filters
 from guardtrain.bench.models import ENGINE_CONFIGS, BenchModel
 from guardtrain.compile import CompiledTarget, Miss, check_compile_kwargs, resolve_targets
 from guardtrain.engine import decisions
+from guardtrain.engine import levers as _levers
 from guardtrain.engine.config import make_config
-from guardtrain.engine.core import GuardEngine, Host, Levers
+from guardtrain.engine.engine import GuardEngine
+from guardtrain.engine.host import Host
 from guardtrain.engine.phases import Loop
 from guardtrain.engine.session import StanceSession
 from guardtrain.errors import GuardTrainValueError
@@ -51,14 +53,14 @@ OWNER = "guardtrain bench"
 class ConfigLevers:
     """The levers of one configuration, and the Dynamo config values it sets while it runs."""
 
-    levers: Levers
+    levers: _levers.Levers
     config_values: dict[str, Any] = field(default_factory=dict)
     switched_off: list[dict[str, str]] = field(default_factory=list)
     """Levers this torch does not have (the engine's ``summary()["switched_off"]``)."""
 
 
 def preset_levers(preset: str, compile_kwargs: dict[str, Any]) -> ConfigLevers:
-    """The levers a preset has on this torch, resolved by the engine as in a real run.
+    """The levers a preset has on this torch, resolved as the engine does for a real run.
 
     The engine's messages (a lever switched off, dict tags at torch's default)
     are not printed; a switched-off lever is in ``switched_off``.
@@ -67,9 +69,9 @@ def preset_levers(preset: str, compile_kwargs: dict[str, Any]) -> ConfigLevers:
     # The bench measures the preset even where GUARDTRAIN_DISABLE turns the adapters off.
     config = dataclasses.replace(config, disabled=False)
     quiet = Host(info=lambda _: None, warn=lambda _: None, owner=OWNER)
-    engine = GuardEngine(config, quiet)
-    engine.setup()
-    return ConfigLevers(engine.levers, engine.config_values(), engine.summary()["switched_off"])
+    lv, notes = _levers.requested(config), _levers.DictTagsNotes()
+    _levers.resolve(lv, config, quiet, notes)
+    return ConfigLevers(lv, _levers.config_values(config, lv, notes), list(lv.switched_off))
 
 
 def _floor_filter() -> _filters.GuardFilter:
@@ -88,7 +90,7 @@ def _floor_filter() -> _filters.GuardFilter:
 def floor_levers() -> ConfigLevers:
     """The unsound lower limit (bench only): every guard skipped but Dynamo's global-state
     guard, ``install_free_tensors``, no stance."""
-    return ConfigLevers(Levers(install_free_tensors=True, guard_filter=_floor_filter()))
+    return ConfigLevers(_levers.Levers(install_free_tensors=True, guard_filter=_floor_filter()))
 
 
 def _frames() -> int:
@@ -315,7 +317,7 @@ _TRAIN = Loop.TRAIN.value
 
 
 class EngineRunner(Runner):
-    """A preset run by a :class:`~guardtrain.engine.core.GuardEngine` with its phases, as in
+    """A preset run by a :class:`~guardtrain.engine.engine.GuardEngine` with its phases, as in
     training: what the engine does on entering the steady state (the stance, direct
     dispatch for ``turbo``) is what is measured.
 
@@ -364,7 +366,7 @@ class EngineRunner(Runner):
         self.engine.activate(self.module, host, root_by_default=True)
         for key, value in before.items():  # set only while this configuration runs
             setattr(cfg, key, value)
-        self.targets = list(self.engine.run.targets)
+        self.targets = list(self.engine.targets.installed)
         self.switched_off = list(self.engine.summary()["switched_off"])
 
     @contextmanager
@@ -396,7 +398,7 @@ class EngineRunner(Runner):
             rearms = engine.machine.rearms
             self.misses.extend(str(r["reason"]) for r in rearms[self._rearms_seen :])
             self._rearms_seen = len(rearms)
-            self.targets = list(engine.run.targets)
+            self.targets = list(engine.targets.installed)
 
     def blocker(self) -> str | None:
         return self.engine.run.stance_blocked

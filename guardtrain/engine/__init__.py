@@ -1,14 +1,25 @@
 """guardtrain's engine: everything a run decides, with no Lightning import.
 
+* :mod:`~guardtrain.engine.engine`: :class:`GuardEngine`, which the adapters drive: a
+  run's lifecycle, its loops and batches.
+* :mod:`~guardtrain.engine.reactions`: the engine's acts (re-arm, rebuild, the stance,
+  entry), its answers to its targets' reports, and the checks it runs around a batch.
+* :mod:`~guardtrain.engine.host`: :class:`Host`, how the engine reaches the outside.
 * :mod:`~guardtrain.engine.config`: the adapters' arguments, written once and validated (:class:`GuardConfig`).
+* :mod:`~guardtrain.engine.levers`: the levers the installed torch and the strategy allow.
+* :mod:`~guardtrain.engine.targets`: the compiled targets: activate, reuse, split on
+  graph breaks, restore.
+* :mod:`~guardtrain.engine.checks`: boundary, audit, verify and input checks; they
+  return findings, the engine acts.
+* :mod:`~guardtrain.engine.changes`: changes caught before a call, and what each calls for.
+* :mod:`~guardtrain.engine.lookup`: the lookup windows (guard time per step, profiled).
+* :mod:`~guardtrain.engine.summary`: ``summary()``, ``state_dict()``, the table, metrics.
 * :mod:`~guardtrain.engine.phases`: the warm-up -> steady -> re-armed machine per loop.
 * :mod:`~guardtrain.engine.decisions`: per-batch, audit and entry decisions, pure.
 * :mod:`~guardtrain.engine.session`: the stance and Dynamo config, saved and restored.
 * :mod:`~guardtrain.engine.agreement`: how ranks decide together.
-* :mod:`~guardtrain.engine.report`: the summary table and metrics.
 * :mod:`~guardtrain.engine.breaks`: where Dynamo's graph breaks are (reason, file, line).
 * :mod:`~guardtrain.engine.warmstart`: the compile cache saved and loaded (``compile_cache``).
-* :mod:`~guardtrain.engine.core`: :class:`GuardEngine`, which the adapters drive.
 """
 
 from guardtrain.engine.agreement import (
@@ -18,7 +29,8 @@ from guardtrain.engine.agreement import (
     TorchDistributed,
 )
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig, make_config
-from guardtrain.engine.core import GuardEngine, Host
+from guardtrain.engine.engine import GuardEngine
+from guardtrain.engine.host import Host
 from guardtrain.engine.phases import LOOPS, Loop, Phase, PhaseMachine
 from guardtrain.engine.session import StanceSession
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from guardtrain.engine.core import Host
+    from guardtrain.engine.host import Host
 
 __all__ = [
     "MAGIC",

@@ -1,0 +1,209 @@
+"""Levers: which of the preset's levers the installed torch, the strategy and the world allow.
+
+:func:`resolve` is what :meth:`GuardEngine.setup <guardtrain.engine.engine.GuardEngine.setup>`
+runs for each run (the bench calls it too): every lever this torch lacks, or that
+the strategy forbids, is switched off with a warning that says why.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from guardtrain import filters as _filters
+from guardtrain import versions as _versions
+from guardtrain.compile import direct_supported
+from guardtrain.engine.config import GuardConfig
+from guardtrain.engine.host import Host
+from guardtrain.filters import GuardFilter
+
+__all__ = ["DictTagsNotes", "Levers", "config_values", "requested", "resolve"]
+
+
+def _parameters(fn: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+@dataclass(slots=True)
+class Levers:
+    """The levers in force for this run (a lever the installed torch lacks is off)."""
+
+    install_free_tensors: bool = False
+    recursive_dict_tags: bool | None = None
+    use_stance: bool = False
+    guard_filter: GuardFilter | None = None
+    direct_dispatch: bool = False
+    """Turbo: run harvested entries directly in the steady state (not refused)."""
+    switched_off: list[dict[str, str]] = field(default_factory=list)
+    """Levers switched off for this run, each ``{"lever": ..., "why": ...}``."""
+    direct_refused: str | None = None
+    """Why direct dispatch (turbo) is off for the whole run, if it was asked for."""
+
+    def switch_off(self, host: Host, lever: str, why: str) -> None:
+        """Record ``lever`` as switched off for ``why``, with a warning."""
+        self.switched_off.append({"lever": lever, "why": why})
+        host.warn(f"guardtrain: {lever} is switched off: {why}")
+
+
+@dataclass(slots=True)
+class DictTagsNotes:
+    """What was said about recursive dict tags (H22, H36): once per engine, not per run."""
+
+    warned: bool = False
+    """The warning that they are on where they may crash was given."""
+    told: bool = False
+    """The line saying that they are off was logged."""
+    overridden: bool = False
+    """torch's own default (True on 2.10 and 2.11) is overridden to False."""
+
+
+def requested(config: GuardConfig) -> Levers:
+    """The levers the preset and the explicit arguments ask for, before any check."""
+    lv = config.levers
+    return Levers(
+        lv.install_free_tensors,
+        lv.recursive_dict_tags,
+        lv.use_stance,
+        direct_dispatch=lv.direct_dispatch,
+    )
+
+
+def resolve(
+    lv: Levers,
+    config: GuardConfig,
+    host: Host,
+    notes: DictTagsNotes,
+    *,
+    world_size: int = 1,
+    swaps_parameters: str | None = None,
+    sharded_by_hand: str | None = None,
+) -> None:
+    """Switch off, in ``lv``, each lever that this torch, strategy or world does not allow.
+
+    Args:
+        lv: the requested levers (:func:`requested`), changed in place.
+        config: the run's arguments.
+        host: where the warnings go.
+        notes: what was already said about recursive dict tags (kept per engine).
+        world_size: processes in the run.
+        swaps_parameters: a strategy that swaps parameters around every forward (FSDP).
+        sharded_by_hand: FSDP2's ``fully_shard`` found without such a strategy (H37).
+    """
+    swapper = swaps_parameters or sharded_by_hand
+    if lv.install_free_tensors and swapper is not None:
+        # FSDP gathers and frees the full parameters around every forward, and
+        # install_free_tensors bakes the parameter objects into the graph (H3).
+        lv.install_free_tensors = False
+        lv.switch_off(
+            host,
+            "install_free_tensors",
+            f"{swapper} swaps parameters around every forward, "
+            "and install_free_tensors freezes parameter identity in the graph",
+        )
+    _resolve_dict_tags(lv, config, host, notes)
+    dynamo_cfg = torch._dynamo.config
+    if lv.install_free_tensors and not hasattr(dynamo_cfg, "install_free_tensors"):
+        lv.install_free_tensors = False
+        lv.switch_off(
+            host, "install_free_tensors", f"needs torch>=2.8 (installed {torch.__version__})"
+        )
+    if lv.use_stance and "skip_guard_eval_unsafe" not in _parameters(torch.compiler.set_stance):
+        lv.use_stance = False
+        lv.switch_off(host, "use_stance", f"needs torch>=2.6 (installed {torch.__version__})")
+    if lv.direct_dispatch:
+        why = _direct_refusal(lv, config, world_size, swaps_parameters)
+        if why is not None:
+            lv.direct_dispatch = False
+            lv.direct_refused = why
+            host.warn(f"guardtrain: direct dispatch (turbo) is refused: {why}.")
+    spec = config.filter_spec
+    resolved = _filters.resolve(spec)
+    if resolved is None and spec not in (None, "keep_all"):
+        lv.switched_off.append({"lever": "guard_filter", "why": f"{spec!r} is not in this torch"})
+    if resolved is not None and not config.unsafe_drop_floor:
+        resolved = _filters.with_floor(resolved)
+    lv.guard_filter = resolved
+
+
+def _direct_refusal(
+    lv: Levers, config: GuardConfig, world_size: int, swaps_parameters: str | None
+) -> str | None:
+    """Why direct dispatch (turbo) may not run in this run at all, or None."""
+    if not lv.use_stance:
+        return "the stance is off"
+    if config.guard_collectives and world_size > 1:
+        return (
+            "guard_collectives=True: a rank whose call took the normal path would "
+            "issue a guard collective that ranks running directly never match"
+        )
+    if swaps_parameters is not None:
+        return (
+            f"{swaps_parameters} gathers and frees parameters around every forward "
+            "(FSDP): a directly run entry would bypass its hooks' expectations"
+        )
+    if not direct_supported():
+        return f"torch {torch.__version__} lacks Dynamo's cache-entry and guard APIs"
+    return None
+
+
+def _resolve_dict_tags(lv: Levers, config: GuardConfig, host: Host, notes: DictTagsNotes) -> None:
+    """Recursive dict tags (H22): None leaves torch's default; a bool from the user sets it."""
+    cfg = torch._dynamo.config
+    explicit = config.levers.recursive_dict_tags
+    has_lever = hasattr(cfg, "use_recursive_dict_tags_for_guards")
+    default = bool(getattr(cfg, "use_recursive_dict_tags_for_guards", False))
+    release = torch.__version__.split("+")[0]
+    if explicit and not has_lever:
+        lv.recursive_dict_tags = False
+        lv.switch_off(
+            host, "recursive_dict_tags", f"needs torch>=2.9 (installed {torch.__version__})"
+        )
+    else:
+        # torch 2.10 and 2.11 default to True without the segfault fixes (H36).
+        risky = _versions.risky_dict_tags_default()
+        notes.overridden = explicit is None and risky
+        on = (default and not risky) if explicit is None else explicit
+        lv.recursive_dict_tags = on
+        if on and (not default or risky) and not notes.warned:
+            notes.warned = True
+            host.warn(_versions.dict_tags_warning(release, default))
+    if not lv.recursive_dict_tags and not notes.told:
+        notes.told = True
+        host.info(
+            f"guardtrain: recursive dict tags are off ({_why_off(explicit, notes, release)})."
+        )
+
+
+def _why_off(explicit: bool | None, notes: DictTagsNotes, release: str) -> str:
+    """Why recursive dict tags are off, for the one line that says so."""
+    if notes.overridden:
+        return _versions.dict_tags_override_reason(release)
+    if explicit is None:
+        return (
+            f"torch {release}'s default; PyTorch switched them off after "
+            "segfaults, pytorch/pytorch#181873"
+        )
+    if explicit:
+        return f"not in torch {release}"
+    return "recursive_dict_tags=False"
+
+
+def config_values(config: GuardConfig, lv: Levers, notes: DictTagsNotes) -> dict[str, Any]:
+    """The ``torch._dynamo.config`` values a run sets (after :func:`resolve`).
+
+    Only an explicit ``recursive_dict_tags`` that this torch has (H22), or False
+    where torch's own default is overridden (H36); every other lever is applied
+    per target or per call.
+    """
+    explicit = config.levers.recursive_dict_tags
+    if explicit is not None and lv.recursive_dict_tags == explicit:
+        return {"use_recursive_dict_tags_for_guards": explicit}
+    if notes.overridden:
+        return {"use_recursive_dict_tags_for_guards": False}
+    return {}

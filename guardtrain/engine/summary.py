@@ -1,0 +1,328 @@
+"""The run's report: ``summary()``, ``state_dict()``, the summary table and ``guard/*`` metrics.
+
+:func:`build` reads an engine (through :class:`EngineView`) into a plain dict
+(``str``, ``int``, ``float``, lists and dicts of those), so checkpoints holding
+its values load with ``torch.load(weights_only=True)``. Everything else here is
+a pure function of that dict, or a small record of what was logged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from guardtrain.compile import CompiledTarget
+from guardtrain.engine import warmstart
+from guardtrain.engine.changes import ChangeLog
+from guardtrain.engine.checks import Checks
+from guardtrain.engine.config import GuardConfig
+from guardtrain.engine.host import Host
+from guardtrain.engine.levers import Levers
+from guardtrain.engine.lookup import LookupWindows
+from guardtrain.engine.phases import PHASE_NUMBERS, PhaseMachine
+from guardtrain.engine.targets import TargetSet, label
+from guardtrain.profiling import CompileMonitor
+
+__all__ = [
+    "EngineView",
+    "MetricsLog",
+    "build",
+    "carried",
+    "format_summary",
+    "loaded",
+    "metrics",
+    "state_dict",
+]
+
+_CARRIED = ("compiles", "rearms", "warmup_steps_taken", "steady_steps")
+"""Counters that a later run, or a restored checkpoint, goes on from."""
+
+
+class RunView(Protocol):
+    """What the summary reads of the engine's own run state."""
+
+    all_rearms: list[dict[str, Any]] | None
+    stance_blocked: str | None
+    uncompiled: list[str]
+    caught: ChangeLog
+
+
+class EngineView(Protocol):
+    """What the summary reads of a :class:`~guardtrain.engine.engine.GuardEngine`."""
+
+    config: GuardConfig
+    host: Host
+    restored: dict[str, Any]
+    compile_cache: dict[str, Any] | None
+    machine: PhaseMachine
+    monitor: CompileMonitor
+    levers: Levers
+    targets: TargetSet
+    checks: Checks
+    lookup: LookupWindows
+
+    @property
+    def run(self) -> RunView: ...
+
+    @property
+    def phase(self) -> str: ...
+
+
+def build(e: EngineView) -> dict[str, Any]:
+    """Counters and history of the runs so far, as a plain dict (``summary()``)."""
+    r, m, run, ts = e.restored, e.machine, e.run, e.targets
+    root = e.host.root_label
+    lookup = e.lookup.lookup or r.get("lookup_us", {})
+    return {
+        "preset": e.config.preset,
+        "phase": e.phase,
+        "phases": {str(loop): str(m.phase(loop)) for loop in m.loops},
+        "compiles": e.monitor.compiles + r.get("compiles", 0),
+        "rearms": list(r.get("rearms", []))
+        + list(m.rearms if run.all_rearms is None else run.all_rearms),
+        "warmup_steps_taken": m.warmup_steps_taken + r.get("warmup_steps_taken", 0),
+        "steady_steps": m.steady_steps + r.get("steady_steps", 0),
+        "targets": list(ts.names),
+        "compile_events": (list(r.get("compile_events", [])) + e.monitor.events)[:100],
+        "levers": {
+            "recursive_dict_tags": e.levers.recursive_dict_tags,
+            "install_free_tensors": e.levers.install_free_tensors,
+            "guard_filter": e.config.filter_name,
+            "soundness_floor": not e.config.unsafe_drop_floor,
+            "use_stance": e.levers.use_stance,
+        },
+        "switched_off": list(e.levers.switched_off),
+        "stance_blocked": run.stance_blocked,
+        "uncompiled_targets": list(run.uncompiled),
+        "lookup_us": dict(lookup),
+        "lookup_calls": dict(e.lookup.lookup_calls or r.get("lookup_calls", {})),
+        "took_over": list(ts.took_over),
+        "shared_code": _shared_code(ts.kept, root),
+        "own_code": [{"target": label(t, root), "why": t.own_code} for t in ts.kept if t.own_code],
+        "direct_dispatch": _direct(e),
+        "caught_changes": run.caught.summary(),
+        "full_guard_calls": ts.full_guard_calls + sum(t.full_guard_calls for t in ts.kept),
+        "checked_batches": e.checks.checked_batches + r.get("checked_batches", 0),
+        "checked_calls": e.checks.checked_calls + r.get("checked_calls", 0),
+        "graph_breaks": [dict(b) for b in ts.graph_breaks],
+        "disabled": e.config.disabled,
+        "compile_cache": warmstart.summary(e.compile_cache),
+    }
+
+
+def _direct(e: EngineView) -> dict[str, Any]:
+    """Direct dispatch (turbo): whether it is on, why not, and how many calls used it."""
+    ts, root = e.targets, e.host.root_label
+    refusals = _direct_refusals(ts, root) if e.levers.direct_dispatch else []
+    return {
+        "requested": e.config.levers.direct_dispatch,
+        "on": e.levers.direct_dispatch
+        and not _every_target_refused([label(t, root) for t in ts.kept], refusals),
+        "refused": e.levers.direct_refused,
+        "refused_targets": refusals,
+        "calls": ts.direct_calls
+        + sum(t.direct_calls for t in ts.kept)
+        + e.restored.get("direct_calls", 0),
+    }
+
+
+def _direct_refusals(ts: TargetSet, root: str) -> list[dict[str, str]]:
+    """Targets that may not run directly: refused at activation (FSDP's
+    ``fully_shard``), or with graph breaks (their resume frames would run eagerly;
+    they keep every guard and never use the stance)."""
+    found = list(ts.direct_refused_targets)
+    named = {t["target"] for t in found}
+    for t in ts.kept:
+        if t.graph_breaks and label(t, root) not in named:
+            found.append(
+                {
+                    "target": label(t, root),
+                    "why": "graph breaks: the frames after a break would run eagerly",
+                }
+            )
+    return found
+
+
+def _every_target_refused(targets: list[str], refusals: list[dict[str, str]]) -> bool:
+    """Whether direct dispatch refused each of ``targets`` (so no call can run directly)."""
+    refused = {r["target"] for r in refusals}
+    return bool(targets) and all(t in refused for t in targets)
+
+
+def _shared_code(kept: list[CompiledTarget], root: str) -> list[dict[str, Any]]:
+    """Groups of targets that share one compiled code object (H24)."""
+    groups: dict[int, list[CompiledTarget]] = {}
+    for t in kept:
+        if t.code.shared:
+            groups.setdefault(id(t.code), []).append(t)
+    return [
+        {"class": type(g[0].module).__name__, "targets": [label(t, root) for t in g]}
+        for g in groups.values()
+        if len(g) > 1
+    ]
+
+
+# -- checkpoints and later runs ------------------------------------------------------------
+
+
+def state_dict(s: dict[str, Any], train_batches: int) -> dict[str, Any]:
+    """What a checkpoint keeps of summary ``s`` (see :func:`loaded`)."""
+    return {"preset": s["preset"], **{k: s[k] for k in _CARRIED}, "train_batches": train_batches}
+
+
+def loaded(state: dict[str, Any]) -> dict[str, Any]:
+    """The counters that a run restored from the checkpoint ``state`` goes on from."""
+    return {
+        "compiles": int(state.get("compiles", 0)),
+        "rearms": list(state.get("rearms", [])),
+        "warmup_steps_taken": int(state.get("warmup_steps_taken", 0)),
+        "steady_steps": int(state.get("steady_steps", 0)),
+        "train_batches": int(state.get("train_batches", 0)),
+    }
+
+
+def carried(s: dict[str, Any], train_batches: int) -> dict[str, Any]:
+    """What the next run of the same engine goes on from, after summary ``s``."""
+    restored = {key: s[key] for key in _CARRIED}
+    restored.update(
+        train_batches=train_batches,
+        lookup_us=s["lookup_us"],
+        lookup_calls=s["lookup_calls"],
+        compile_events=s["compile_events"],
+        checked_batches=s["checked_batches"],
+        checked_calls=s["checked_calls"],
+        direct_calls=s["direct_dispatch"]["calls"],
+    )
+    return restored
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+def metrics(phase: str, compiles: int, rearms: int) -> dict[str, float]:
+    """The ``guard/*`` metrics: phase number (0 off, 1 warm-up, 2 steady), counts."""
+    return {
+        "guard/phase": float(PHASE_NUMBERS[phase]),
+        "guard/compiles": float(compiles),
+        "guard/rearms": float(rearms),
+    }
+
+
+@dataclass(slots=True)
+class MetricsLog:
+    """What one run last gave the loggers: each value is logged when it moves."""
+
+    logged: tuple[int, int, int] | None = None
+    lookup_logged: bool = False
+
+    def log(
+        self,
+        host: Host,
+        current: tuple[str, int, int],
+        lookup: dict[str, float],
+        step: Callable[[], int],
+    ) -> None:
+        """Log ``(phase, compiles, rearms)`` and the steady lookup time, if either moved.
+
+        Rank zero only; ``step`` gives the training step the values belong to.
+        """
+        key = (PHASE_NUMBERS[current[0]], current[1], current[2])
+        if key == self.logged and ("steady" not in lookup or self.lookup_logged):
+            return
+        self.logged = key
+        if host.agreement.rank != 0:
+            return
+        values = metrics(*current)
+        if "steady" in lookup and not self.lookup_logged:
+            self.lookup_logged = True
+            values["guard/lookup_us"] = lookup["steady"]
+        if host.log_metrics is not None:
+            host.log_metrics(values, step())
+
+
+# -- the table -----------------------------------------------------------------------------
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The end-of-run table logged at INFO on rank zero."""
+    lines = [
+        "guardtrain summary",
+        f"  preset           {s['preset']}",
+        f"  targets          {', '.join(s['targets']) or '-'}",
+        f"  phase            {s['phase']}  (loops: "
+        + ", ".join(f"{k}={v}" for k, v in s["phases"].items())
+        + ")",
+        f"  warm-up steps    {s['warmup_steps_taken']}",
+        f"  steady steps     {s['steady_steps']}",
+        f"  compiles         {s['compiles']}",
+        f"  re-arms          {len(s['rearms'])}",
+    ]
+    if s.get("checked_batches"):
+        lines.insert(
+            -2,
+            f"  checked batches  {s['checked_batches']}  (unseen signatures kept under the "
+            f"stance: {s.get('checked_calls', 0)} calls accepted by an entry's guards)",
+        )
+    for r in s["rearms"][:10]:
+        lines.append(f"    step {r['step']}: {r['reason']}")
+    if len(s["rearms"]) > 10:
+        lines.append(f"    ... {len(s['rearms']) - 10} more")
+    lookup = s["lookup_us"]
+    if "steady" in lookup:
+        lines.append(
+            f"  guards µs/step   {lookup.get('full_guards', float('nan')):.1f} with full guards, "
+            f"{lookup['steady']:.1f} under the stance (guard + pre-graph, profiled)"
+        )
+    lines += _direct_lines(s.get("direct_dispatch") or {})
+    lines += _code_lines(s)
+    lines += _state_lines(s)
+    return "\n".join(lines)
+
+
+def _direct_lines(direct: dict[str, Any]) -> list[str]:
+    """The table's lines on direct dispatch (turbo), when it was asked for."""
+    if not direct.get("requested"):
+        return []
+    if direct.get("on"):
+        lines = [
+            f"  direct dispatch  on: {direct.get('calls', 0)} calls ran a harvested entry "
+            "directly (guard µs/step not profiled: those calls skip Dynamo's entry path)"
+        ]
+    else:
+        lines = [f"  direct dispatch  refused: {direct.get('refused')}"]
+    for t in direct.get("refused_targets", []):
+        lines.append(f"    not for {t['target']}: {t['why']}")
+    return lines
+
+
+def _code_lines(s: dict[str, Any]) -> list[str]:
+    """The table's lines on graph breaks, shared code and targets compiled alone."""
+    lines = []
+    for b in s.get("graph_breaks", []):
+        where = f" at {b['where']}" if b.get("where") else ""
+        lines.append(
+            f"  graph break      {b['target']}: {b['reason']}{where}; "
+            f"compiled its parts {', '.join(b['regions'])}"
+        )
+    for group in s.get("shared_code", []):
+        names = group["targets"]
+        lines.append(
+            f"  shared code      {len(names)} {group['class']} targets: {names[0]} ... {names[-1]}"
+        )
+    for own in s.get("own_code", []):
+        lines.append(f"  own code         {own['target']}: {own['why']}")
+    return lines
+
+
+def _state_lines(s: dict[str, Any]) -> list[str]:
+    """The table's lines on levers switched off, take-overs, idle targets, the cache."""
+    lines = [f"  switched off     {off['lever']}: {off['why']}" for off in s["switched_off"]]
+    if s.get("took_over"):
+        lines.append(f"  took over        {', '.join(s['took_over'])}")
+    if s["uncompiled_targets"]:
+        lines.append(f"  ran uncompiled   {', '.join(s['uncompiled_targets'])}")
+    if s["stance_blocked"]:
+        lines.append(f"  stance blocked   {s['stance_blocked']}")
+    if s.get("compile_cache"):
+        lines.append(f"  compile cache    {warmstart.describe(s['compile_cache'])}")
+    return lines

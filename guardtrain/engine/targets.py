@@ -1,0 +1,258 @@
+"""The run's compiled targets: activate (compile or reuse), split on graph breaks, restore.
+
+A :class:`TargetSet` holds one run's targets and what happened to them: those
+taken over from the user's own ``torch.compile``, those split into their parts
+because they broke the graph (H20), and the counts of targets no longer in the
+run. It changes targets only when the engine asks; the engine decides, re-arms
+and rebuilds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+from guardtrain.compile import (
+    CompiledTarget,
+    Miss,
+    TakeOver,
+    resolve_targets,
+    share_groups,
+    take_over_compiled,
+)
+from guardtrain.engine import breaks as _breaks
+from guardtrain.engine.config import GuardConfig
+from guardtrain.engine.host import Host
+from guardtrain.engine.levers import Levers
+
+__all__ = ["Hooks", "TargetSet", "breaks_of", "fully_sharded", "label", "regions"]
+
+
+def label(target: CompiledTarget, root_label: str) -> str:
+    """How messages and the summary name ``target`` (the root module by ``root_label``)."""
+    return target.name or root_label
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What every compiled target reports to the engine (the engine acts on each)."""
+
+    on_compile: Callable[[CompiledTarget, str | None], None]
+    on_miss: Callable[[CompiledTarget, Miss], bool]
+    on_switch_off: Callable[[CompiledTarget, str], None]
+    on_change: Callable[[CompiledTarget, str], None]
+
+
+@dataclass(slots=True)
+class TargetSet:
+    """One run's compiled targets; :meth:`next_run` carries what later runs reuse."""
+
+    config: GuardConfig
+    levers: Levers
+    """The run's levers in force (the engine's object: resolved in place at setup)."""
+    hooks: Hooks
+    kept: list[CompiledTarget] = field(default_factory=list)
+    """Targets of the last run: the next run on the same modules reinstalls them (H28)."""
+    took_over_told: list[str] = field(default_factory=list)
+    """The names whose take-over was last warned about (warned again when they change)."""
+    installed: list[CompiledTarget] = field(default_factory=list)
+    """The targets compiled in place for this run (empty once restored)."""
+    names: list[str] = field(default_factory=list)
+    """Their labels, for the summary (kept after the run is restored)."""
+    takeover: TakeOver | None = None
+    took_over: list[str] = field(default_factory=list)
+    graph_breaks: list[dict[str, Any]] = field(default_factory=list)
+    """Default targets split into their parts because they broke the graph (H20)."""
+    break_log: _breaks.BreakLog = field(default_factory=_breaks.BreakLog)
+    """Dynamo's graph-break records read so far (reasons with file and line)."""
+    direct_refused_targets: list[dict[str, str]] = field(default_factory=list)
+    """Targets refused direct dispatch, and why."""
+    direct_calls: int = 0
+    """Calls run directly by targets that are no longer in the run (split, replaced)."""
+    full_guard_calls: int = 0
+    """Calls with full guards under the stance by targets no longer in the run."""
+
+    def next_run(self, levers: Levers) -> TargetSet:
+        """A fresh set for the next run, with the kept targets and the take-over note."""
+        return TargetSet(self.config, levers, self.hooks, self.kept, self.took_over_told)
+
+    def activate(self, root: nn.Module, host: Host, paired: bool, root_by_default: bool) -> None:
+        """Compile the targets in ``root`` in place, or reinstall the kept ones (H28).
+
+        ``paired``: compiled calls pair across ranks (guard collectives), so a
+        target retries eagerly instead of skipping alone.
+        """
+        names = self.config.targets
+        if names is None and root_by_default:
+            names = [""]
+        resolved = resolve_targets(root, names)
+        self.takeover = take_over_compiled(root, resolved)
+        self._tell_take_over(self.takeover.names, host)
+        ift = self.levers.install_free_tensors
+        kept = {(t.name, id(t.module)): t for t in self.kept if t.requested_free_tensors == ift}
+        if all((name, id(module)) in kept for name, module in resolved):
+            # A later run on the same modules: same code, same Dynamo cache (H28).
+            for name, module in resolved:
+                target = kept[(name, id(module))]
+                target.install()
+                target.pair_calls_across_ranks(paired)
+                target.take_call_counts()  # direct calls: counted in `restored`
+                self._allow_direct(target, host.root_label)
+                self.installed.append(target)
+        else:
+            self.installed = self._make(resolved, paired, host.root_label)
+        self.names = [label(t, host.root_label) for t in self.installed]
+        self.kept = list(self.installed)
+
+    def _make(
+        self, parts: list[tuple[str, nn.Module]], paired: bool, root_label: str
+    ) -> list[CompiledTarget]:
+        """Compile ``parts`` in place; instances of one class and structure share code (H24)."""
+        made: list[CompiledTarget] = []
+        groups = share_groups([module for _, module in parts])
+        hooks = self.hooks
+        for i, (name, module) in enumerate(parts):
+            leader = groups[i]
+            made.append(
+                CompiledTarget(
+                    name,
+                    module,
+                    self.config.compile_kwargs,
+                    self.levers.guard_filter,
+                    self.levers.install_free_tensors,
+                    on_compile=hooks.on_compile,
+                    on_miss=hooks.on_miss,
+                    on_switch_off=hooks.on_switch_off,
+                    share_with=made[leader] if leader is not None and leader != i else None,
+                    shared=leader == i,
+                    on_change=hooks.on_change,
+                )
+            )
+            made[-1].pair_calls_across_ranks(paired)
+            self._allow_direct(made[-1], root_label)
+        return made
+
+    def _allow_direct(self, target: CompiledTarget, root_label: str) -> None:
+        """Whether ``target`` may run harvested entries directly (turbo, H30)."""
+        target.allow_direct_dispatch(False)
+        if not self.levers.direct_dispatch:
+            return
+        sharded = fully_sharded(target.module)
+        if sharded is not None:
+            self.direct_refused_targets.append(
+                {
+                    "target": label(target, root_label),
+                    "why": f"{sharded} is sharded with FSDP's fully_shard: its parameters "
+                    "are gathered and freed around every forward",
+                }
+            )
+            return
+        target.allow_direct_dispatch(True)
+
+    def _tell_take_over(self, names: list[str], host: Host) -> None:
+        """One warning when the user's own compiles are taken over (once per change)."""
+        self.took_over = list(names)
+        if names and names != self.took_over_told:
+            host.warn(
+                f"guardtrain: took over the compile of {', '.join(names)}: {host.owner} "
+                "compiles the original module once itself (state_dict keys stay as they are); "
+                "drop your own torch.compile call to silence this."
+            )
+        self.took_over_told = list(names)
+
+    def restore(self) -> None:
+        """Uninstall every target and give the user's own compiles back."""
+        for target in self.installed:
+            target.uninstall()
+        self.installed = []
+        if self.takeover is not None:
+            self.takeover.restore()
+            self.takeover = None
+
+    def split(
+        self,
+        target: CompiledTarget,
+        found: list[_breaks.GraphBreak],
+        paired: bool,
+        root_label: str,
+    ) -> list[str] | None:
+        """Compile the parts of a breaking default target instead of it (H20).
+
+        Returns the parts' names, or None when ``target`` has no parts (nothing changed).
+        """
+        parts = regions(target.name, target.module)
+        if not parts:
+            return None
+        if not target.detach():  # the last user of its code (the others split in this pass)
+            target.rebuild()  # forget its entries, resume functions included
+        target.uninstall()
+        direct_calls, full_guard_calls = target.take_call_counts()
+        self.direct_calls += direct_calls
+        self.full_guard_calls += full_guard_calls
+        index = self.installed.index(target)
+        made = self._make(parts, paired, root_label)
+        self.installed[index : index + 1] = made
+        self.names = [label(t, root_label) for t in self.installed]
+        self.kept = list(self.installed)
+        names = [name for name, _ in parts]
+        self.graph_breaks.append(
+            {
+                "target": label(target, root_label),
+                "reason": "; ".join(b.reason for b in found) or "unknown",
+                "where": "; ".join(b.where for b in found if b.where),
+                "regions": names,
+            }
+        )
+        return names
+
+
+def breaks_of(
+    target: CompiledTarget, found: list[_breaks.GraphBreak]
+) -> list[_breaks.GraphBreak] | None:
+    """After a batch that compiled: the graph breaks to hold against ``target``, or None.
+
+    None when it has no graph breaks (its fingerprint is then taken, if it has
+    none yet). A break at the call into a ``forward`` that Dynamo never compiles
+    as a frame of its own marks the target as breaking (H20).
+    """
+    forward = getattr(target, "_func", None)
+    mine = _breaks.entered(found, forward)
+    if mine and not target.graph_breaks and _breaks.skipped_at_top(forward):
+        # The break was at the call into a `forward` that Dynamo never compiles
+        # as a frame of its own (torch's modules, `nn.Transformer`): it ran
+        # uncompiled, and no resume frame showed the break (H20).
+        target.code.mark_graph_breaks()
+    if not target.graph_breaks:
+        if target.reference is None:
+            target.take_reference()
+        return None
+    return mine or found
+
+
+def fully_sharded(module: nn.Module) -> str | None:
+    """The name of a module in ``module`` that FSDP2's ``fully_shard`` wrapped, or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without it
+        return None
+    for name, sub in module.named_modules():
+        if isinstance(sub, FSDPModule):
+            return type(sub).__name__ + (f" ({name})" if name else "")
+    return None
+
+
+def regions(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The parts of ``module`` to compile instead of it: each child with parameters and a
+    ``forward``; a container without one (``ModuleList``) gives its children."""
+    parts: list[tuple[str, nn.Module]] = []
+    for child_name, child in module.named_children():
+        full = f"{name}.{child_name}" if name else child_name
+        if next(child.parameters(), None) is None:
+            continue
+        if type(child).forward is nn.Module.forward:
+            parts.extend(regions(full, child))
+        else:
+            parts.append((full, child))
+    return parts
