@@ -484,12 +484,19 @@ class GuardEngine:
         return {}
 
     def activate(
-        self, root: nn.Module, host: Host | None = None, root_by_default: bool = False
+        self,
+        root: nn.Module,
+        host: Host | None = None,
+        root_by_default: bool = False,
+        default_targets: list[str] | None = None,
     ) -> None:
         """Compile the targets in ``root`` in place (once per run; a no-op when active).
 
         ``root_by_default``: with ``targets=None`` compile ``root`` itself, not the
         one child with parameters (the LightningModule rule, H15).
+        ``default_targets``: with ``targets=None`` compile these names instead (the
+        adapter's own default, e.g. a Hugging Face model's base model and head); a
+        default target that breaks the graph is still split into its parts (H20).
 
         Raises:
             GuardTrainRuntimeError: the unsafe stance is already set.
@@ -509,7 +516,9 @@ class GuardEngine:
         self._ran = True
         try:
             names = self.config.targets
-            if names is None and root_by_default:
+            if names is None and default_targets is not None:
+                names = list(default_targets)
+            elif names is None and root_by_default:
                 names = [""]
             resolved = resolve_targets(root, names)
             run.takeover = take_over_compiled(root, resolved)
