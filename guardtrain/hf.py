@@ -128,12 +128,10 @@ def default_targets(root: nn.Module) -> list[str] | None:
         if not isinstance(prefix, str) or not hasattr(type(module), "_no_split_modules"):
             continue
         children = dict(module.named_children())
-        if prefix in children:
-            names = [prefix] + [
-                n for n, m in children.items() if n != prefix and _compilable(m)
-            ]
-        else:
-            names = [n for n, m in children.items() if _compilable(m)]
+        names = [prefix] if prefix in children else []
+        for name, child in children.items():
+            if name != prefix:
+                names.extend(_parts(name, child))
         return [f"{path}.{n}" if path else n for n in names] or None
     return None
 
@@ -142,6 +140,16 @@ def _compilable(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None and (
         type(module).forward is not nn.Module.forward
     )
+
+
+def _parts(name: str, module: nn.Module) -> list[str]:
+    """``name`` if ``module`` has parameters and a ``forward``; a container without one
+    (``ModuleList``) gives its children's parts; nothing without parameters."""
+    if next(module.parameters(), None) is None:
+        return []
+    if type(module).forward is not nn.Module.forward:
+        return [name]
+    return [p for n, child in module.named_children() for p in _parts(f"{name}.{n}", child)]
 
 
 def _repeated(module: nn.Module) -> bool:
