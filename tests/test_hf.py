@@ -15,7 +15,7 @@ import sys
 import types
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -341,7 +341,7 @@ class _RaisesInForward(GPT2LMHeadModel):
     """Raises after its targets ran, inside the root ``forward``, on one chosen call."""
 
     raise_at = -1
-    seen: list[bool] = []
+    seen: ClassVar[list[bool]] = []
 
     def forward(
         self, input_ids: Any = None, attention_mask: Any = None, labels: Any = None, **kw: Any
