@@ -674,3 +674,53 @@ def test_ddp_two_processes_through_accelerate(tmp_path: Path) -> None:
     s = guarded["summary"]
     assert s["phases"]["train"] == "steady"
     assert s["steady_steps"] >= 0.8 * (STEPS - 4)
+
+
+# -- turbo on the usual HF call: one tensor passed twice (H40) ---------------------------------
+
+
+def test_turbo_dispatches_directly_with_labels_equal_to_input_ids() -> None:
+    from guardtrain import GuardTuner
+
+    def run(preset: str | None) -> tuple[list[float], Any, dict[str, Any] | None]:
+        model = tiny_model()
+        # A known loss type: else the loss property logs a warning, which breaks the graph.
+        model.loss_type = "ForCausalLM"
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(0)
+        batches = [torch.randint(1, 64, (4, 16), generator=g) for _ in range(24)]
+        seen: list[float] = []
+
+        def steps(tuner: Any = None) -> None:
+            for ids in batches:
+                ctx = tuner.step(ids) if tuner is not None else None
+                if ctx is not None:
+                    ctx.__enter__()
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                seen.append(loss.item())
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
+
+        if preset is None:
+            steps()
+            return seen, model, None
+        with GuardTuner(
+            model, preset, warmup_steps=4, stable_steps=2, compile_kwargs=AOT
+        ) as tuner:
+            steps(tuner)
+        return seen, model, tuner.summary()
+
+    eager, eager_model, _ = run(None)
+    turbo, turbo_model, s = run("turbo")
+    assert s is not None
+    assert turbo == eager
+    assert_same_weights(turbo_model, eager_model)
+    assert s["phases"]["train"] == "steady"
+    direct = s["direct_dispatch"]
+    assert direct["on"], direct
+    # Every steady call but the one that harvests runs directly.
+    assert s["targets"] == ["<model>"]  # the whole model: `labels` reaches the target
+    assert direct["calls"] >= s["steady_steps"] - 1, (direct, s["steady_steps"])
