@@ -87,13 +87,13 @@ class StanceSession:
         Cheaper than :meth:`set_stance` (one assignment, no ``DynamoStance`` made), and
         the compiled targets keep their fast state (turbo keeps its dispatch tables)."""
         if self.stance_on and not self._paused:
-            _eval_frame._set_stance(self._saved_stance)
+            _eval_frame._stance = self._saved_stance  # what _set_stance does, without its import
             self._paused = True
 
     def resume(self) -> None:
         """Set the stance again after :meth:`pause` (a no-op when it is not paused)."""
         if self._paused:
-            _eval_frame._set_stance(self._on_stance)
+            _eval_frame._stance = self._on_stance
             self._paused = False
 
     def set_guard_collectives(self, on: bool) -> None:
