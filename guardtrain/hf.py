@@ -406,7 +406,7 @@ class GuardTrainerCallback(TrainerCallback):
         if self._inside or module is not self._root:
             return None
         engine = self._engine
-        if not engine.active and not self._start_evaluation():
+        if not engine.run.active and not self._start_evaluation():
             return None
         training = module.training
         loop = _TRAIN if training else _VALIDATE
