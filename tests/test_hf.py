@@ -605,10 +605,10 @@ def test_fsdp_switches_off_free_tensors_and_refuses_turbo(
     class FullyShardedDataParallelPlugin:
         fsdp_version = 2
 
-    import guardtrain.hf as hf
+    import guardtrain.hf_accelerate as hfa
 
     state = _fake_state("FSDP", fsdp_plugin=FullyShardedDataParallelPlugin())
-    monkeypatch.setattr(hf, "_accelerate_state", lambda: state)
+    monkeypatch.setattr(hfa, "accelerate_state", lambda: state)
     cb = guard("turbo")
     trainer = trainer_for(tmp_path, [cb], max_steps=12)
     with pytest.warns(UserWarning, match="direct dispatch"):
@@ -623,10 +623,10 @@ def test_deepspeed_switches_guardtrain_off(tmp_path: Path, monkeypatch: pytest.M
     class DeepSpeedPlugin:
         zero_stage = 2
 
-    import guardtrain.hf as hf
+    import guardtrain.hf_accelerate as hfa
 
     state = _fake_state("DEEPSPEED", deepspeed_plugin=DeepSpeedPlugin())
-    monkeypatch.setattr(hf, "_accelerate_state", lambda: state)
+    monkeypatch.setattr(hfa, "accelerate_state", lambda: state)
     cb = guard()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -707,9 +707,7 @@ def test_turbo_dispatches_directly_with_labels_equal_to_input_ids() -> None:
         if preset is None:
             steps()
             return seen, model, None
-        with GuardTuner(
-            model, preset, warmup_steps=4, stable_steps=2, compile_kwargs=AOT
-        ) as tuner:
+        with GuardTuner(model, preset, warmup_steps=4, stable_steps=2, compile_kwargs=AOT) as tuner:
             steps(tuner)
         return seen, model, tuner.summary()
 
