@@ -7,7 +7,8 @@
 
 The model is built from a config with random weights and the data is random token ids
 of varying length (dynamic padding): no hub access. The run prints the losses, the
-evaluation loss and guardtrain's summary.
+evaluation loss and guardtrain's summary; ``main()`` returns the evaluation loss and the
+summary.
 """
 
 from __future__ import annotations
@@ -108,11 +109,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainer.train()
         metrics = trainer.evaluate()
     print(f"eval_loss {metrics['eval_loss']:.4f}")
+    summary = None
     if guard is not None:
         print(guard.format_summary())
         guard.release()
-        return guard.summary()
-    return {}
+        summary = guard.summary()
+    return {"eval_loss": metrics["eval_loss"], "summary": summary}
 
 
 if __name__ == "__main__":

@@ -676,6 +676,20 @@ def test_ddp_two_processes_through_accelerate(tmp_path: Path) -> None:
     assert s["steady_steps"] >= 0.8 * (STEPS - 4)
 
 
+@pytest.mark.slow
+def test_the_example_matches_the_run_without_guardtrain() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_trainer", REPO / "examples" / "hf_trainer.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    guarded = example.main(["--steps", "30"])
+    plain = example.main(["--steps", "30", "--no-guard"])
+    assert guarded["eval_loss"] == plain["eval_loss"]
+    assert guarded["summary"]["phases"]["train"] == "steady"
+
+
 # -- turbo on the usual HF call: one tensor passed twice (H40) ---------------------------------
 
 
