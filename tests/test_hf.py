@@ -684,8 +684,8 @@ def test_the_example_matches_the_run_without_guardtrain() -> None:
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    guarded = example.main(["--steps", "30"])
-    plain = example.main(["--steps", "30", "--no-guard"])
+    guarded = example.main(["--steps", "40"])
+    plain = example.main(["--steps", "40", "--no-guard"])
     assert guarded["eval_loss"] == plain["eval_loss"]
     assert guarded["summary"]["phases"]["train"] == "steady"
 
