@@ -687,7 +687,7 @@ def test_the_example_matches_the_run_without_guardtrain() -> None:
     guarded = example.main(["--steps", "40"])
     plain = example.main(["--steps", "40", "--no-guard"])
     assert guarded["eval_loss"] == plain["eval_loss"]
-    assert guarded["summary"]["phases"]["train"] == "steady"
+    assert guarded["summary"]["steady_steps"] > 0  # the summary after evaluate()'s run
 
 
 # -- turbo on the usual HF call: one tensor passed twice (H40) ---------------------------------
