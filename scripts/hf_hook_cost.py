@@ -29,6 +29,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from guardtrain import GuardTrainerCallback
 from guardtrain.bench.models import tiny_gpt2
+from guardtrain.hf_accelerate import Hook
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -75,8 +76,8 @@ class Timer(TrainerCallback):
             return
         model = kw["model"]
         before, after = model._forward_pre_hooks, model._forward_hooks
-        pre = next(h for h in before.values() if type(h).__name__ == "_Hook")
-        post = next(h for h in after.values() if type(h).__name__ == "_Hook")
+        pre = next(h for h in before.values() if isinstance(h, Hook))
+        post = next(h for h in after.values() if isinstance(h, Hook))
         inputs = self.inputs
         model.train()
         steady_before = g.engine.machine.steady_steps

@@ -310,6 +310,25 @@ def test_standalone_evaluate_and_predict(tmp_path: Path, caplog: pytest.LogCaptu
     assert cb.summary()["compiles"] == compiles and not cb.engine.active
 
 
+def test_a_copied_or_pickled_model_gets_hooks_that_do_nothing(tmp_path: Path) -> None:
+    import copy
+    import pickle
+
+    from guardtrain.hf_accelerate import _inert
+
+    cb = guard()
+    trainer = trainer_for(tmp_path, [cb])
+    model = trainer.model
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert all(h is _inert for h in twin._forward_pre_hooks.values())
+        assert all(h is _inert for h in twin._forward_hooks.values())
+        twin.eval()
+        with torch.no_grad():
+            twin(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert not cb.engine.active and cb.summary()["compiles"] == 0
+
+
 class _RaiseAt(TrainerCallback):
     def __init__(self, step: int, error: BaseException) -> None:
         self.step = step
