@@ -72,6 +72,7 @@ import sys
 from typing import Any
 
 from torch import nn
+from torch.compiler import is_compiling
 from transformers import TrainerCallback
 
 from guardtrain import filters as _filters
@@ -154,8 +155,9 @@ class GuardTrainerCallback(TrainerCallback):
         self._inside = False
         self._in_train = False
         self._plugins = hfa.Plugins(_OWNER, self._explicit_compile)
-        """Why the callback does nothing (DeepSpeed, a compile it could not take over)."""
         self._run_off: str | None = None
+        """Why this ``train()`` is left alone (a compile accelerate made before the callback
+        could take it over), or None."""
         self._args: Any = None
 
     # -- public ------------------------------------------------------------------------------
@@ -268,8 +270,8 @@ class GuardTrainerCallback(TrainerCallback):
         if self._inside or module is not self._root:
             return None
         engine = self._engine
-        if not engine.run.active and not self._start_evaluation():
-            return None
+        if not engine.run.active and (is_compiling() or not self._start_evaluation()):
+            return None  # no run; or Dynamo traces this hook (a compile made by accelerate)
         training = module.training
         loop = _TRAIN if training else _VALIDATE
         if loop != self._pass:
