@@ -206,6 +206,21 @@ def test_import_guardtrain_does_not_import_transformers() -> None:
     assert out.stdout.strip() == "GuardTrainerCallback"
 
 
+def test_same_keyword_arguments_as_the_lightning_callback() -> None:
+    import inspect
+
+    from guardtrain import GuardTuneCallback
+    from guardtrain.errors import GuardTrainValueError
+
+    ours = inspect.signature(GuardTrainerCallback).parameters
+    theirs = inspect.signature(GuardTuneCallback).parameters
+    assert [(p.name, p.default, p.kind) for p in ours.values()] == [
+        (p.name, p.default, p.kind) for p in theirs.values()
+    ]
+    with pytest.raises(GuardTrainValueError, match="warmup_steps"):
+        GuardTrainerCallback(warmup_steps=-1)
+
+
 def test_default_and_regional_targets() -> None:
     model = tiny_model()
     assert default_targets(model) == ["transformer", "lm_head"]
