@@ -557,8 +557,12 @@ def test_compute_loss_override_and_a_changed_keyword(tmp_path: Path) -> None:
     eager, guarded = run_pair(tmp_path, cb, cls=_OwnLoss)
     assert losses(guarded) == losses(eager)
     assert_same_weights(guarded.model, eager.model)
-    # output_hidden_states changes on every call: the calls see it (H32).
-    assert cb.summary()["phases"]["train"] == "steady"
+    # output_hidden_states flips on every call. In transformers 5 the first call with
+    # it breaks the base model's graph (its hidden-state capture), and the engine
+    # compiles the parts instead (H20); every call stays eager-equal, and steady.
+    s = cb.summary()
+    assert s["phases"]["train"] == "steady"
+    assert s["steady_steps"] > 0
 
 
 def test_label_smoothing_and_compute_loss_func(tmp_path: Path) -> None:
