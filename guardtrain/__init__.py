@@ -5,6 +5,11 @@ Add one callback::
     from guardtrain import GuardTuneCallback
     trainer = L.Trainer(callbacks=[GuardTuneCallback(preset="aggressive")])
 
+or, with a Hugging Face ``transformers.Trainer``::
+
+    from guardtrain import GuardTrainerCallback
+    trainer = Trainer(..., callbacks=[GuardTrainerCallback("aggressive")])
+
 or, in a loop of your own (or with Lightning Fabric)::
 
     from guardtrain import GuardTuner
@@ -14,8 +19,9 @@ or, in a loop of your own (or with Lightning Fabric)::
                 ...
 
 Importing this package has no side effects: nothing is compiled and no Dynamo
-setting changes until a run starts. torch and Lightning are imported only when
-:class:`GuardTuneCallback` or :class:`GuardTuner` is first used, so Hydra can read the bundled config
+setting changes until a run starts. torch, Lightning and transformers are imported only
+when :class:`GuardTuneCallback`, :class:`GuardTuner` or :class:`GuardTrainerCallback` is first
+used, so Hydra can read the bundled config
 group (``guardtrain.conf``) without loading them.
 """
 
@@ -35,6 +41,7 @@ from guardtrain.presets import PRESETS, GuardPreset
 
 if TYPE_CHECKING:  # pragma: no cover
     from guardtrain.callback import GuardTuneCallback
+    from guardtrain.hf import GuardTrainerCallback
     from guardtrain.tuner import GuardTuner
 
 __all__ = [
@@ -44,6 +51,7 @@ __all__ = [
     "GuardTrainRuntimeError",
     "GuardTrainTypeError",
     "GuardTrainValueError",
+    "GuardTrainerCallback",
     "GuardTuneCallback",
     "GuardTuner",
     "__version__",
@@ -56,6 +64,10 @@ def __getattr__(name: str) -> Any:
         from guardtrain.callback import GuardTuneCallback
 
         return GuardTuneCallback
+    if name == "GuardTrainerCallback":
+        from guardtrain.hf import GuardTrainerCallback
+
+        return GuardTrainerCallback
     if name == "GuardTuner":
         from guardtrain.tuner import GuardTuner
 

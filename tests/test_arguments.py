@@ -249,12 +249,22 @@ def test_import_has_no_side_effects() -> None:
     assert out.stdout.strip() == "ok", out.stderr
 
 
+def _hf_adapter() -> list[Any]:
+    """``GuardTrainerCallback`` where transformers is installed (a dev dependency)."""
+    try:
+        from guardtrain.hf import GuardTrainerCallback
+    except ImportError:
+        return []
+    return [GuardTrainerCallback]
+
+
 def _shared_parameters(init: Any, own: tuple[str, ...]) -> list[inspect.Parameter]:
     return [p for p in inspect.signature(init).parameters.values() if p.name not in own]
 
 
-def test_both_adapters_take_guard_config_fields_as_their_arguments() -> None:
-    """One argument list: names, annotations, defaults and kinds come from ``GuardConfig``."""
+def test_every_adapter_takes_guard_config_fields_as_its_arguments() -> None:
+    """One argument list: names, annotations, defaults and kinds come from ``GuardConfig``
+    (the Lightning callback, ``GuardTuner`` and the Hugging Face callback)."""
     namespace = vars(sys.modules[GuardConfig.__module__])
     expected = []
     for f in dataclasses.fields(GuardConfig):
@@ -270,6 +280,7 @@ def test_both_adapters_take_guard_config_fields_as_their_arguments() -> None:
     for init, own in (
         (GuardTuneCallback.__init__, ("self",)),
         (GuardTuner.__init__, ("self", "model", "fabric")),
+        *((hf.__init__, ("self",)) for hf in _hf_adapter()),
     ):
         params = _shared_parameters(init, own)
         kinds = {p.kind for p in inspect.signature(init).parameters.values()}
@@ -283,12 +294,12 @@ def test_both_adapters_take_guard_config_fields_as_their_arguments() -> None:
     assert tuner["fabric"].default is None
 
 
-def test_every_argument_is_documented_in_both_adapters() -> None:
+def test_every_argument_is_documented_in_every_adapter() -> None:
     """The ``Args:`` sections hold each field's docstring (made from ``GuardConfig``)."""
     source = inspect.getsource(GuardConfig)
     docs = {f.name: f.doc for f in read_fields(source, "GuardConfig") if f.argument}
     assert len(docs) == 20 and all(docs.values())
-    for adapter in (GuardTuneCallback, GuardTuner):
+    for adapter in (GuardTuneCallback, GuardTuner, *_hf_adapter()):
         text = inspect.getdoc(adapter) or ""
         assert "{arguments}" not in text
         for name, doc in docs.items():

@@ -101,11 +101,12 @@ def _walk(value: Any, key: list[Any], tensors: list[torch.Tensor]) -> bool:
 
 # Kept whole: it runs on every call under the stance, and the common cases (one tensor;
 # tensors and plain values) are tested inline, without a call per argument.
-# Complexity 18: the per-call path; split, it would add a Python call per argument.
+# Complexity 20: the per-call path; split, it would add a Python call per argument.
 def call_key(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
-    """A call's structure and plain argument values, and its tensors in order; None when
+    """A call's structure and plain argument values, and its distinct tensors in order
+    (a repeated tensor once, the key saying which arguments are one tensor); None when
     an argument is something else (a module, a custom object): that call is not
     dispatched directly."""
     if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
@@ -136,9 +137,13 @@ def call_key(
     if n > 1 and (tensors[0] is tensors[1] if n == 2 else len(set(map(id, tensors))) < n):
         # Which arguments are one tensor: Dynamo merges a tensor passed twice into one
         # graph input, so an entry harvested from (x, x) must not serve (x, y), nor the
-        # reverse (``TensorGuards`` refuses a repeated tensor, but not distinct ones).
+        # reverse. The key holds that pattern, and the tensors are the distinct ones:
+        # ``TensorGuards`` refuses a repeated tensor (``model(input_ids=ids,
+        # labels=ids)``, H40), and checking each distinct tensor once checks them all.
         ids = [id(t) for t in tensors]
-        key.append(tuple(ids.index(i) for i in ids))
+        pattern = tuple(ids.index(i) for i in ids)
+        key.append(pattern)
+        tensors = [t for i, t in enumerate(tensors) if pattern[i] == i]
     return tuple(key), tensors
 
 

@@ -157,12 +157,17 @@ class GuardEngine(Reactions):
         self.machine.use_stance = self.levers.use_stance
 
     def activate(
-        self, root: nn.Module, host: Host | None = None, root_by_default: bool = False
+        self,
+        root: nn.Module,
+        host: Host | None = None,
+        root_by_default: bool = False,
+        default_targets: list[str] | None = None,
     ) -> None:
         """Compile the targets in ``root`` in place (once per run; a no-op when active).
 
-        ``root_by_default``: with ``targets=None`` compile ``root`` itself, not the
-        one child with parameters (the LightningModule rule, H15).
+        With ``targets=None``: ``default_targets`` names the adapter's own default
+        targets (split on graph breaks, H20); else ``root_by_default`` compiles
+        ``root`` itself, not the one child with parameters (H15).
 
         Raises:
             GuardTrainRuntimeError: the unsafe stance is already set.
@@ -180,7 +185,7 @@ class GuardEngine(Reactions):
         self.run.active = True
         self._ran = True
         try:
-            self.targets.activate(root, self.host, self._paired(), root_by_default)
+            self.targets.activate(root, self.host, self._paired(), root_by_default, default_targets)
         except BaseException:
             self.restore()
             raise

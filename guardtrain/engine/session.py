@@ -8,9 +8,11 @@ back, also after an exception.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
+import torch._dynamo.eval_frame as _eval_frame
 
 from guardtrain.errors import GuardTrainRuntimeError
 
@@ -34,6 +36,8 @@ class StanceSession:
         self.stance_on = False
         self.active = False
         self._saved_stance: Any = None
+        self._on_stance: Any = None
+        self._paused = False
         self._saved_config: dict[str, Any] = {}
         self._collectives_prev: bool | None = None
 
@@ -51,6 +55,8 @@ class StanceSession:
                 "torch.compiler.set_stance('default') before the run, or drop it."
             )
         self._saved_stance = stance
+        self._on_stance = dataclasses.replace(stance, skip_guard_eval_unsafe=True)
+        self._paused = False
         self.active = True
 
     def set_config(self, key: str, value: Any) -> None:
@@ -71,7 +77,24 @@ class StanceSession:
             force_backend=prev.backend,
         )
         self.stance_on = on
+        self._paused = False
         return True
+
+    def pause(self) -> None:
+        """Lift the stance process-wide while :attr:`stance_on` stays True, until
+        :meth:`resume` (an adapter that sets it inside each forward call only).
+
+        Cheaper than :meth:`set_stance` (one assignment, no ``DynamoStance`` made), and
+        the compiled targets keep their fast state (turbo keeps its dispatch tables)."""
+        if self.stance_on and not self._paused:
+            _eval_frame._stance = self._saved_stance  # what _set_stance does, without its import
+            self._paused = True
+
+    def resume(self) -> None:
+        """Set the stance again after :meth:`pause` (a no-op when it is not paused)."""
+        if self._paused:
+            _eval_frame._stance = self._on_stance
+            self._paused = False
 
     def set_guard_collectives(self, on: bool) -> None:
         """Dynamo's per-call guard collective (H7); the caller toggles it where every rank is."""

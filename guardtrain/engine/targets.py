@@ -78,14 +78,24 @@ class TargetSet:
         """A fresh set for the next run, with the kept targets and the take-over note."""
         return TargetSet(self.config, levers, self.hooks, self.kept, self.took_over_told)
 
-    def activate(self, root: nn.Module, host: Host, paired: bool, root_by_default: bool) -> None:
+    def activate(
+        self,
+        root: nn.Module,
+        host: Host,
+        paired: bool,
+        root_by_default: bool,
+        default_targets: list[str] | None = None,
+    ) -> None:
         """Compile the targets in ``root`` in place, or reinstall the kept ones (H28).
 
         ``paired``: compiled calls pair across ranks (guard collectives), so a
-        target retries eagerly instead of skipping alone.
+        target retries eagerly instead of skipping alone. ``default_targets``: with
+        ``targets=None``, these names instead of the default rule.
         """
         names = self.config.targets
-        if names is None and root_by_default:
+        if names is None and default_targets is not None:
+            names = list(default_targets)
+        elif names is None and root_by_default:
             names = [""]
         resolved = resolve_targets(root, names)
         self.takeover = take_over_compiled(root, resolved)

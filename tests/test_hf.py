@@ -1,0 +1,776 @@
+"""GuardTrainerCallback in a Hugging Face ``Trainer`` (H38): every run against an eager run.
+
+A tiny GPT-2 from a config (random weights, no hub access), generated token ids,
+``aot_eager`` (bitwise equal to eager on the CPU, dropout included). Each guarded run is
+compared with an eager ``Trainer`` run of the same seeds: losses, evaluation metrics and
+final weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPT2Model,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
+
+from guardtrain import GuardTrainerCallback  # noqa: E402
+from guardtrain.engine.session import stance_is_unsafe  # noqa: E402
+from guardtrain.hf import default_targets, regional_targets  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+AOT = {"backend": "aot_eager"}
+STEPS = 24
+
+
+# -- the model, the data and the runs ---------------------------------------------------------
+
+
+def tiny_config(**extra: Any) -> GPT2Config:
+    return GPT2Config(
+        vocab_size=64,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        **extra,
+    )
+
+
+def tiny_model(seed: int = 0, cls: type = GPT2LMHeadModel, **extra: Any) -> Any:
+    set_seed(seed)
+    return cls(tiny_config(**extra))
+
+
+class Tokens(torch.utils.data.Dataset):
+    """``n`` sequences of random token ids; ``lengths`` cycle (dynamic padding)."""
+
+    def __init__(self, n: int, seed: int = 0, lengths: tuple[int, ...] = (16,)) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.items = [
+            torch.randint(1, 64, (lengths[i % len(lengths)],), generator=g) for i in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.items[i]}
+
+
+def pad(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``DataCollatorWithPadding``'s job: pad to the longest sequence of the batch."""
+    n = max(len(x["input_ids"]) for x in items)
+    ids = torch.zeros(len(items), n, dtype=torch.long)
+    mask = torch.zeros(len(items), n, dtype=torch.long)
+    for i, x in enumerate(items):
+        ids[i, : len(x["input_ids"])] = x["input_ids"]
+        mask[i, : len(x["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def make_args(out: Path, **overrides: Any) -> TrainingArguments:
+    values: dict[str, Any] = {
+        "output_dir": str(out),
+        "max_steps": STEPS,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "report_to": [],
+        "save_strategy": "no",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "seed": 0,
+    }
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def guard(preset: str = "aggressive", **kwargs: Any) -> GuardTrainerCallback:
+    values: dict[str, Any] = {
+        "compile_kwargs": AOT,
+        "warmup_steps": 4,
+        "stable_steps": 2,
+        "measure_lookup": False,
+    }
+    values.update(kwargs)
+    return GuardTrainerCallback(preset, **values)
+
+
+def trainer_for(
+    out: Path,
+    callbacks: list[Any] | None = None,
+    *,
+    model: Any = None,
+    cls: type = Trainer,
+    train_n: int = 64,
+    lengths: tuple[int, ...] = (16,),
+    eval_n: int = 16,
+    trainer_kwargs: dict[str, Any] | None = None,
+    **args: Any,
+) -> Any:
+    kwargs = dict(trainer_kwargs or {})
+    if "model_init" not in kwargs:
+        kwargs["model"] = model if model is not None else tiny_model()
+    return cls(
+        args=make_args(out, **args),
+        train_dataset=Tokens(train_n, 0, lengths),
+        eval_dataset=Tokens(eval_n, 1, lengths) if eval_n else None,
+        data_collator=pad,
+        callbacks=list(callbacks or []),
+        **kwargs,
+    )
+
+
+def losses(trainer: Any) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def eval_losses(trainer: Any) -> list[float]:
+    return [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, atol: float = 0.0) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for key in sa:
+        if atol:
+            torch.testing.assert_close(sa[key], sb[key], atol=atol, rtol=0, msg=key)
+        else:
+            assert torch.equal(sa[key], sb[key]), key
+
+
+def assert_put_back(cb: GuardTrainerCallback, model: torch.nn.Module) -> None:
+    assert not stance_is_unsafe()
+    assert not cb.engine.active
+    for name, sub in model.named_modules():
+        assert "forward" not in sub.__dict__ or name == "", name
+
+
+def steady_share(cb: GuardTrainerCallback) -> float:
+    s = cb.summary()
+    after_warmup = cb.engine.train_batches() - cb.settings.warmup_steps
+    return s["steady_steps"] / max(after_warmup, 1)
+
+
+def run_pair(tmp_path: Path, cb: Any = None, **kw: Any) -> tuple[Any, Any]:
+    """An eager run and a guarded run of the same configuration."""
+    eager = trainer_for(tmp_path / "eager", **kw)
+    eager.train()
+    guarded = trainer_for(tmp_path / "guarded", [cb or guard()], **kw)
+    guarded.train()
+    return eager, guarded
+
+
+# -- the basics --------------------------------------------------------------------------------
+
+
+def test_import_guardtrain_does_not_import_transformers() -> None:
+    code = (
+        "import sys, guardtrain; assert 'transformers' not in sys.modules, 'imported'; "
+        "cls = guardtrain.GuardTrainerCallback; assert 'transformers' in sys.modules; "
+        "print(cls.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "GuardTrainerCallback"
+
+
+def test_same_keyword_arguments_as_the_lightning_callback() -> None:
+    import inspect
+
+    from guardtrain import GuardTuneCallback
+    from guardtrain.errors import GuardTrainValueError
+
+    ours = inspect.signature(GuardTrainerCallback).parameters
+    theirs = inspect.signature(GuardTuneCallback).parameters
+    assert [(p.name, p.default, p.kind) for p in ours.values()] == [
+        (p.name, p.default, p.kind) for p in theirs.values()
+    ]
+    with pytest.raises(GuardTrainValueError, match="warmup_steps"):
+        GuardTrainerCallback(warmup_steps=-1)
+
+
+def test_default_and_regional_targets() -> None:
+    model = tiny_model()
+    assert default_targets(model) == ["transformer", "lm_head"]
+    assert default_targets(tiny_model(cls=GPT2Model)) == ["wte", "wpe", "h.0", "h.1", "ln_f"]
+    assert default_targets(torch.nn.Linear(2, 2)) is None
+    assert regional_targets(model) == [
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.ln_f",
+        "lm_head",
+    ]
+
+
+def test_equal_to_eager_with_evaluation(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cb = guard(measure_lookup=True)
+    eval_args = {"eval_strategy": "steps", "eval_steps": 8}
+    eager = trainer_for(tmp_path / "eager", **eval_args)
+    eager.train()
+    guarded = trainer_for(tmp_path / "guarded", [cb], **eval_args)
+    with caplog.at_level("INFO", logger="guardtrain"):
+        guarded.train()
+    assert losses(guarded) == losses(eager)
+    assert len(eval_losses(eager)) == 3
+    assert eval_losses(guarded) == eval_losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    s = cb.summary()
+    assert s["targets"] == ["transformer", "lm_head"]
+    assert s["phases"]["train"] == "steady" and s["phases"]["validate"] == "steady"
+    assert s["rearms"] == []
+    assert steady_share(cb) >= 0.8, s
+    assert_put_back(cb, guarded.model)
+    logged = [r for r in caplog.records if "guardtrain summary" in r.getMessage()]
+    assert len(logged) == 1
+    # Saved models keep their keys and values.
+    guarded.save_model(str(tmp_path / "saved"))
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    reference = {k: v for k, v in eager.model.state_dict().items() if k in saved}
+    assert sorted(saved) == sorted(reference)
+    assert all(torch.equal(saved[k], reference[k]) for k in saved)
+
+
+def test_gradient_accumulation_counts_forward_calls(tmp_path: Path) -> None:
+    cb = guard(warmup_steps=6)
+    eager, guarded = run_pair(tmp_path, cb, gradient_accumulation_steps=2, max_steps=12)
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    s = cb.summary()
+    assert cb.engine.train_batches() == 24  # forward calls, not optimizer steps
+    assert s["warmup_steps_taken"] == 6
+    assert steady_share(cb) >= 0.8
+
+
+def test_dynamic_padding_stays_steady(tmp_path: Path) -> None:
+    lengths = tuple(range(6, 30, 2))  # 12 padded lengths
+    cb = guard(warmup_steps=4, stable_steps=2)
+    eager, guarded = run_pair(
+        tmp_path, cb, lengths=lengths, per_device_train_batch_size=1, max_steps=32, train_n=48
+    )
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    s = cb.summary()
+    seen = {sig for sig in cb.engine.machine.loops["train"].signatures}
+    assert len(seen) >= 10  # padded lengths seen in training
+    per_target: dict[str, int] = {}
+    for event in s["compile_events"]:
+        per_target[event["target"]] = per_target.get(event["target"], 0) + 1
+    # The first compile, then at most two recompiles (automatic dynamic shapes).
+    assert all(n <= 3 for n in per_target.values()), s["compile_events"]
+    assert s["phases"]["train"] == "steady"
+    assert len(s["rearms"]) <= 2, s["rearms"]
+    assert s["checked_batches"] >= 1  # unseen lengths that stayed under the stance (H26)
+    assert steady_share(cb) >= 0.8, s
+
+
+def test_standalone_evaluate_and_predict(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    eager = trainer_for(tmp_path / "eager")
+    cb = guard()
+    guarded = trainer_for(tmp_path / "guarded", [cb])
+    with caplog.at_level("INFO", logger="guardtrain"):
+        first = guarded.evaluate()
+        assert cb.summary()["compiles"] > 0
+        second = guarded.evaluate()
+        predicted = guarded.predict(Tokens(8, 2))
+    reference = eager.evaluate()
+    assert first["eval_loss"] == second["eval_loss"] == reference["eval_loss"]
+    expected = eager.predict(Tokens(8, 2))
+    assert torch.equal(
+        torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions)
+    )
+    logged = [r for r in caplog.records if "guardtrain summary" in r.getMessage()]
+    assert len(logged) == 3  # once per evaluate()/predict() call
+    assert_put_back(cb, guarded.model)
+    # A model call in evaluation mode outside the Trainer's evaluation is left alone.
+    compiles = cb.summary()["compiles"]
+    guarded.model.eval()
+    with torch.no_grad():
+        guarded.model(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert cb.summary()["compiles"] == compiles and not cb.engine.active
+
+
+def test_a_copied_or_pickled_model_gets_hooks_that_do_nothing(tmp_path: Path) -> None:
+    import copy
+    import pickle
+
+    from guardtrain.hf_accelerate import _inert
+
+    cb = guard()
+    trainer = trainer_for(tmp_path, [cb])
+    model = trainer.model
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert all(h is _inert for h in twin._forward_pre_hooks.values())
+        assert all(h is _inert for h in twin._forward_hooks.values())
+        twin.eval()
+        with torch.no_grad():
+            twin(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert not cb.engine.active and cb.summary()["compiles"] == 0
+
+
+class _RaiseAt(TrainerCallback):
+    def __init__(self, step: int, error: BaseException) -> None:
+        self.step = step
+        self.error = error
+        self.raised = False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step and not self.raised:
+            self.raised = True
+            raise self.error
+
+
+def test_exception_in_a_callback_mid_step_leaves_the_stance_off(tmp_path: Path) -> None:
+    cb = guard()
+    trainer = trainer_for(tmp_path, [cb, _RaiseAt(12, ValueError("boom"))])
+    with pytest.raises(ValueError, match="boom"):
+        trainer.train()
+    assert cb.phase == "steady"  # it was steady when the step raised
+    assert not stance_is_unsafe()
+    cb.restore()
+    assert_put_back(cb, trainer.model)
+    # The next run starts afresh.
+    trainer.train()
+    assert not stance_is_unsafe()
+    assert cb.summary()["phases"]["train"] == "steady"
+
+
+class _RaisesInForward(GPT2LMHeadModel):
+    """Raises after its targets ran, inside the root ``forward``, on one chosen call."""
+
+    raise_at = -1
+    seen: ClassVar[list[bool]] = []
+
+    def forward(
+        self, input_ids: Any = None, attention_mask: Any = None, labels: Any = None, **kw: Any
+    ) -> Any:
+        out = super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kw
+        )
+        type(self).raise_at -= 1
+        if type(self).raise_at == 0:
+            type(self).seen.append(stance_is_unsafe())
+            raise RuntimeError("inside forward")
+        return out
+
+
+def test_exception_in_forward_leaves_the_stance_off(tmp_path: Path) -> None:
+    cb = guard()
+    _RaisesInForward.raise_at = 16
+    trainer = trainer_for(tmp_path, [cb], model=tiny_model(cls=_RaisesInForward))
+    with pytest.raises(RuntimeError, match="inside forward"):
+        trainer.train()
+    assert _RaisesInForward.seen == [True]  # the stance was on inside the forward
+    assert not stance_is_unsafe()
+    cb.restore()
+    assert_put_back(cb, trainer.model)
+
+
+# -- the Trainer's compile --------------------------------------------------------------------
+
+
+def test_torch_compile_is_taken_over(tmp_path: Path) -> None:
+    eager = trainer_for(tmp_path / "eager")
+    eager.train()
+    cb = GuardTrainerCallback("aggressive", warmup_steps=4, stable_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guarded = trainer_for(
+            tmp_path / "guarded", [cb], torch_compile=True, torch_compile_backend="aot_eager"
+        )
+    told = [str(w.message) for w in caught if "took over the Trainer's compile" in str(w.message)]
+    assert len(told) == 1, told
+    assert "aot_eager" in told[0]
+    guarded.train()
+    assert cb.engine.config.compile_kwargs["backend"] == "aot_eager"
+    assert not isinstance(guarded.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    assert cb.summary()["phases"]["train"] == "steady"
+    assert_put_back(cb, guarded.model)
+    plugin = guarded.accelerator.state.dynamo_plugin
+    assert str(plugin.backend.value).lower() == "no"
+    cb.release()
+    assert str(plugin.backend.value).lower() == "aot_eager"
+    assert not guarded.model._forward_hooks and not guarded.model._forward_pre_hooks
+
+
+@pytest.mark.slow
+def test_regional_compilation_maps_to_block_targets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "1")
+    cb = GuardTrainerCallback("aggressive", warmup_steps=4, stable_steps=2)
+    guarded = trainer_for(
+        tmp_path, [cb], torch_compile=True, torch_compile_backend="aot_eager", max_steps=12
+    )
+    guarded.train()
+    assert "transformer.h.0" in cb.summary()["targets"]
+    assert cb.summary()["targets"] == regional_targets(guarded.model)
+    # Instances of one block class share one compiled code (H24).
+    assert cb.summary()["shared_code"]
+    cb.release()
+
+
+def test_compile_added_after_the_trainer_is_made_is_left_alone(tmp_path: Path) -> None:
+    cb = guard()
+    trainer = trainer_for(tmp_path, torch_compile=True, torch_compile_backend="aot_eager")
+    trainer.add_callback(cb)
+    with pytest.warns(UserWarning, match="does nothing in this run"):
+        trainer.train()
+    assert cb.summary()["targets"] == []
+
+
+# -- pitfalls ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_model_init_new_model_per_train(tmp_path: Path) -> None:
+    eager = trainer_for(
+        tmp_path / "e", trainer_kwargs={"model_init": lambda: tiny_model()}, max_steps=12
+    )
+    eager.train()
+    first_eager = eager.model
+    eager.train()
+    cb = guard()
+    guarded = trainer_for(
+        tmp_path / "g", [cb], trainer_kwargs={"model_init": lambda: tiny_model()}, max_steps=12
+    )
+    guarded.train()
+    first = guarded.model
+    guarded.train()
+    assert guarded.model is not first
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    assert_same_weights(first, first_eager)
+    assert not first._forward_pre_hooks  # the hooks moved to the new model
+    assert cb.summary()["phases"]["train"] == "steady"
+
+
+@pytest.mark.slow
+def test_auto_find_batch_size_starts_again(tmp_path: Path) -> None:
+    oom = "CUDA out of memory."
+    eager = trainer_for(tmp_path / "e", [_RaiseAt(3, RuntimeError(oom))], auto_find_batch_size=True)
+    eager.train()
+    cb = guard()
+    guarded = trainer_for(
+        tmp_path / "g", [cb, _RaiseAt(3, RuntimeError(oom))], auto_find_batch_size=True
+    )
+    guarded.train()
+    assert guarded._train_batch_size < 4
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    assert cb.summary()["phases"]["train"] == "steady"
+    assert_put_back(cb, guarded.model)
+
+
+@pytest.mark.slow
+def test_resume_from_checkpoint(tmp_path: Path) -> None:
+    def resumed(out: Path, callbacks: list[Any]) -> Any:
+        first = trainer_for(out, save_strategy="steps", save_steps=12)
+        first.train()
+        again = trainer_for(out, callbacks, save_strategy="steps", save_steps=12)
+        again.train(resume_from_checkpoint=str(out / "checkpoint-12"))
+        return again
+
+    eager = resumed(tmp_path / "e", [])
+    cb = guard()
+    guarded = resumed(tmp_path / "g", [cb])
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    assert cb.summary()["steady_steps"] > 0
+
+
+@pytest.mark.slow
+def test_peft_lora(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+
+    def lora() -> Any:
+        config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+        return peft.get_peft_model(tiny_model(), config)
+
+    cb = guard()
+    eager, guarded = run_pair(tmp_path, cb, model=None, trainer_kwargs={"model_init": lora})
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    assert cb.summary()["targets"] == [
+        "base_model.model.transformer",
+        "base_model.model.lm_head",
+    ]
+    assert steady_share(cb) >= 0.8
+
+
+class _OwnLoss(Trainer):
+    """A user's ``compute_loss``: the loss from the logits, hidden states on odd steps."""
+
+    calls = 0
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
+        labels = inputs.pop("labels")
+        type(self).calls += 1
+        out = model(**inputs, output_hidden_states=self.calls % 2 == 1)
+        logits = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
+        loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+        if out.hidden_states is not None:
+            loss = loss + 0.0 * out.hidden_states[-1].sum()
+        return (loss, out) if return_outputs else loss
+
+
+def test_compute_loss_override_and_a_changed_keyword(tmp_path: Path) -> None:
+    cb = guard()
+    eager, guarded = run_pair(tmp_path, cb, cls=_OwnLoss)
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    # output_hidden_states flips on every call. In transformers 5 the first call with
+    # it breaks the base model's graph (its hidden-state capture), and the engine
+    # compiles the parts instead (H20); every call stays eager-equal, and steady.
+    s = cb.summary()
+    assert s["phases"]["train"] == "steady"
+    assert s["steady_steps"] > 0
+
+
+def test_label_smoothing_and_compute_loss_func(tmp_path: Path) -> None:
+    cb = guard()
+    eager, guarded = run_pair(tmp_path, cb, label_smoothing_factor=0.1, max_steps=12)
+    assert losses(guarded) == losses(eager)
+
+    def loss_func(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
+        logits = outputs["logits"][:, :-1].reshape(-1, outputs["logits"].shape[-1])
+        return torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+
+    cb2 = guard()
+    eager2, guarded2 = run_pair(
+        tmp_path / "f", cb2, trainer_kwargs={"compute_loss_func": loss_func}, max_steps=12
+    )
+    assert losses(guarded2) == losses(eager2)
+    assert_same_weights(guarded2.model, eager2.model)
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing(tmp_path: Path) -> None:
+    cb = guard()
+    eager, guarded = run_pair(tmp_path, cb, gradient_checkpointing=True, max_steps=12)
+    assert losses(guarded) == pytest.approx(losses(eager), rel=1e-6)
+    assert_same_weights(guarded.model, eager.model, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_neftune(tmp_path: Path) -> None:
+    cb = guard()
+    eager, guarded = run_pair(tmp_path, cb, neftune_noise_alpha=5.0, max_steps=12)
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    # NEFTune's hook on the embeddings is gone after training, as without guardtrain.
+    assert not guarded.model.transformer.wte._forward_hooks
+
+
+@pytest.mark.slow
+def test_a_target_that_breaks_the_graph_is_split(tmp_path: Path) -> None:
+    class Breaking(GPT2Model):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            torch._dynamo.graph_break()
+            return super().forward(*args, **kwargs)
+
+    def breaking() -> Any:
+        model = tiny_model()
+        inner = Breaking(model.config)
+        inner.load_state_dict(model.transformer.state_dict())
+        model.transformer = inner
+        model.tie_weights()
+        return model
+
+    cb = guard()
+    eager, guarded = run_pair(tmp_path, cb, trainer_kwargs={"model_init": breaking})
+    assert losses(guarded) == losses(eager)
+    s = cb.summary()
+    assert s["graph_breaks"] and s["graph_breaks"][0]["target"] == "transformer"
+    assert "transformer.h.0" in s["targets"]
+
+
+# -- FSDP and DeepSpeed (accelerate's state faked: neither runs on this CPU) -------------------
+
+
+def _fake_state(kind: str, **plugins: Any) -> Any:
+    from accelerate.utils import DistributedType
+
+    return types.SimpleNamespace(
+        distributed_type=DistributedType[kind],
+        dynamo_plugin=None,
+        deepspeed_plugin=plugins.get("deepspeed_plugin"),
+        fsdp_plugin=plugins.get("fsdp_plugin"),
+    )
+
+
+def test_fsdp_switches_off_free_tensors_and_refuses_turbo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class FullyShardedDataParallelPlugin:
+        fsdp_version = 2
+
+    import guardtrain.hf_accelerate as hfa
+
+    state = _fake_state("FSDP", fsdp_plugin=FullyShardedDataParallelPlugin())
+    monkeypatch.setattr(hfa, "accelerate_state", lambda: state)
+    cb = guard("turbo")
+    trainer = trainer_for(tmp_path, [cb], max_steps=12)
+    with pytest.warns(UserWarning, match="direct dispatch"):
+        trainer.train()
+    s = cb.summary()
+    assert any(x["lever"] == "install_free_tensors" for x in s["switched_off"])
+    assert "FSDP" in s["direct_dispatch"]["refused"]
+    assert s["direct_dispatch"]["calls"] == 0
+
+
+def test_deepspeed_switches_guardtrain_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class DeepSpeedPlugin:
+        zero_stage = 2
+
+    import guardtrain.hf_accelerate as hfa
+
+    state = _fake_state("DEEPSPEED", deepspeed_plugin=DeepSpeedPlugin())
+    monkeypatch.setattr(hfa, "accelerate_state", lambda: state)
+    cb = guard()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = trainer_for(tmp_path, [cb], max_steps=6)
+        trainer.train()
+    told = [str(w.message) for w in caught if "switches itself off" in str(w.message)]
+    assert len(told) == 1 and "DeepSpeedPlugin" in told[0] and "ZeRO stage 2" in told[0]
+    assert cb.switched_off is not None
+    assert cb.summary()["targets"] == [] and cb.summary()["compiles"] == 0
+
+
+# -- DDP through accelerate --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_two_processes_through_accelerate(tmp_path: Path) -> None:
+    script = REPO / "tests" / "ddp_scripts" / "hf_run.py"
+
+    def launch(name: str, *extra: str) -> dict[str, Any]:
+        out = tmp_path / f"{name}.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(29600 + (os.getpid() % 200) + (1 if extra else 0)),
+            str(script),
+            "--out",
+            str(out),
+            *extra,
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        return json.loads(out.read_text())
+
+    eager = launch("eager")
+    guarded = launch("guarded", "--guard", "aggressive")
+    assert guarded["world_size"] == 2
+    assert guarded["losses"] == eager["losses"]
+    assert guarded["weights"] == eager["weights"]
+    s = guarded["summary"]
+    assert s["phases"]["train"] == "steady"
+    assert s["steady_steps"] >= 0.8 * (STEPS - 4)
+
+
+@pytest.mark.slow
+def test_the_example_matches_the_run_without_guardtrain() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_trainer", REPO / "examples" / "hf_trainer.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    guarded = example.main(["--steps", "40"])
+    plain = example.main(["--steps", "40", "--no-guard"])
+    assert guarded["eval_loss"] == plain["eval_loss"]
+    assert guarded["summary"]["steady_steps"] > 0  # the summary after evaluate()'s run
+
+
+# -- turbo on the usual HF call: one tensor passed twice (H40) ---------------------------------
+
+
+def test_turbo_dispatches_directly_with_labels_equal_to_input_ids() -> None:
+    from guardtrain import GuardTuner
+
+    def run(preset: str | None) -> tuple[list[float], Any, dict[str, Any] | None]:
+        model = tiny_model()
+        # A known loss type: else the loss property logs a warning, which breaks the graph.
+        model.loss_type = "ForCausalLM"
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(0)
+        batches = [torch.randint(1, 64, (4, 16), generator=g) for _ in range(24)]
+        seen: list[float] = []
+
+        def steps(tuner: Any = None) -> None:
+            for ids in batches:
+                ctx = tuner.step(ids) if tuner is not None else None
+                if ctx is not None:
+                    ctx.__enter__()
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                seen.append(loss.item())
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
+
+        if preset is None:
+            steps()
+            return seen, model, None
+        with GuardTuner(model, preset, warmup_steps=4, stable_steps=2, compile_kwargs=AOT) as tuner:
+            steps(tuner)
+        return seen, model, tuner.summary()
+
+    eager, eager_model, _ = run(None)
+    turbo, turbo_model, s = run("turbo")
+    assert s is not None
+    assert turbo == eager
+    assert_same_weights(turbo_model, eager_model)
+    assert s["phases"]["train"] == "steady"
+    direct = s["direct_dispatch"]
+    assert direct["on"], direct
+    # Every steady call but the one that harvests runs directly.
+    assert s["targets"] == ["<model>"]  # the whole model: `labels` reaches the target
+    assert direct["calls"] >= s["steady_steps"] - 1, (direct, s["steady_steps"])
