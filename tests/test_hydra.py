@@ -608,6 +608,7 @@ def test_example_ddp_reaches_steady_state_and_matches_off(tmp_path: Path) -> Non
 _NOT_SOURCES = shutil.ignore_patterns(
     ".git",
     ".venv",
+    ".venvs",
     "build",
     "dist",
     "*.egg-info",
