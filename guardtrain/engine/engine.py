@@ -71,7 +71,7 @@ class GuardEngine(Reactions):
         self.monitor = CompileMonitor()
         self.session = StanceSession(self.host.owner)
         self.levers = _levers.requested(self.config)
-        self.targets = self.targets.next_run(self.levers)
+        self.targets = self.targets.next_run(self.config, self.levers)
         self.checks = Checks()
         self.lookup = LookupWindows()
         self.metrics = summary.MetricsLog()

@@ -74,9 +74,10 @@ class TargetSet:
     full_guard_calls: int = 0
     """Calls with full guards under the stance by targets no longer in the run."""
 
-    def next_run(self, levers: Levers) -> TargetSet:
-        """A fresh set for the next run, with the kept targets and the take-over note."""
-        return TargetSet(self.config, levers, self.hooks, self.kept, self.took_over_told)
+    def next_run(self, config: GuardConfig, levers: Levers) -> TargetSet:
+        """A fresh set for the next run (with the run's ``config``, which an adapter may
+        have replaced since), with the kept targets and the take-over note."""
+        return TargetSet(config, levers, self.hooks, self.kept, self.took_over_told)
 
     def activate(
         self,
