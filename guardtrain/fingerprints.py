@@ -39,7 +39,8 @@ def module_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
     enforce hook guards by default (``skip_nnmodule_hook_guards``).
     """
     # One walk over the submodules, in the order and with the de-duplication of
-    # ``named_parameters``, ``named_buffers`` and ``named_modules`` (three walks before).
+    # ``named_parameters``, ``named_buffers`` and ``named_modules``. Audits take one
+    # of every steady target, so the loop reads the dicts directly.
     params: list[tuple[Any, ...]] = []
     buffers: list[tuple[Any, ...]] = []
     hooks: list[tuple[Any, ...]] = []
@@ -47,20 +48,18 @@ def module_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
     seen_buffers: set[int] = set()
     for prefix, sub in module.named_modules():
         dot = prefix + "." if prefix else ""
-        for into, seen, kind, members in (
-            (params, seen_params, "parameter", sub._parameters),
-            (buffers, seen_buffers, "buffer", sub._buffers),
+        if sub._parameters:
+            _tensor_rows(params, seen_params, "parameter", dot, sub._parameters)
+        if sub._buffers:
+            _tensor_rows(buffers, seen_buffers, "buffer", dot, sub._buffers)
+        if (
+            sub._forward_pre_hooks
+            or sub._forward_hooks
+            or sub._backward_pre_hooks
+            or sub._backward_hooks
+            or sub._state_dict_hooks
         ):
-            for key, t in members.items():
-                if t is None or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                into.append(
-                    (kind, dot + key, id(t), t.requires_grad, t.dtype, t.device, tuple(t.shape))
-                )
-        row = _hook_row(prefix, sub)
-        if row is not None:
-            hooks.append(row)
+            hooks.append(_hook_row(prefix, sub))
     rows = params + buffers + hooks
     global_hooks = _global_hooks()
     if any(global_hooks):
@@ -68,11 +67,20 @@ def module_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
     return tuple(rows)
 
 
-def _hook_row(prefix: str, sub: nn.Module) -> tuple[Any, ...] | None:
-    """``("hooks", name, ids per hook dict)`` of a submodule with hooks, else None."""
+def _tensor_rows(
+    into: list[tuple[Any, ...]], seen: set[int], kind: str, dot: str, members: dict[str, Any]
+) -> None:
+    """Append a row per tensor of ``members`` not seen before (a tied weight: once)."""
+    for key, t in members.items():
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        into.append((kind, dot + key, id(t), t.requires_grad, t.dtype, t.device, tuple(t.shape)))
+
+
+def _hook_row(prefix: str, sub: nn.Module) -> tuple[Any, ...]:
+    """``("hooks", name, ids per hook dict)`` of a submodule with hooks."""
     dicts = [getattr(sub, attr, None) for attr in _HOOK_DICTS]
-    if not any(dicts):
-        return None
     return (
         "hooks",
         prefix or "<root>",

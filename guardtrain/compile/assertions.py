@@ -19,12 +19,14 @@ from typing import Any, Sequence
 import torch
 
 from guardtrain.compile.call_mode import PLAIN_TYPES
+from guardtrain.compile.fastcheck import entry_checks
 from guardtrain.compile.trampoline import CLOSURE_NAME, SHARED_NAME, TRAMPOLINE_GLOBALS
 from guardtrain.compile.watch import owner_dict
 from guardtrain.filters import SAVED_TENSORS_HOOKS, is_rechecked
 
 __all__ = [
     "Assertion",
+    "Recorded",
     "attribute_names",
     "check",
     "global_assertions",
@@ -97,6 +99,11 @@ class Assertion:
         if self.glob:
             return global_path(text)
         return user_path(text, target or "", self.name.startswith(SHARED_NAME))
+
+
+class Recorded(tuple):  # type: ignore[type-arg]
+    """What one compile's guards asserted (a tuple of :class:`Assertion`), with room for
+    its generated checks (:func:`~guardtrain.compile.fastcheck.entry_checks`)."""
 
 
 _LOCAL = re.compile(r"L\[['\"](\w+)['\"]\]")
@@ -313,8 +320,15 @@ def check(
     guards. ``failed`` is the assertion named, if any. ``globals_too=False`` leaves out
     the dropped identity guards on globals (H31), which hold for every member alike.
     """
-    if not entries:
+    if not entries or _all_hold(entries, scope, globals_too):
         return None, None, None
+    return _one_by_one(entries, scope, target, globals_too)
+
+
+def _one_by_one(
+    entries: list[tuple[Assertion, ...]], scope: dict[str, Any], target: str, globals_too: bool
+) -> tuple[str | None, str | None, Assertion | None]:
+    """:func:`check`, each assertion on its own: what changed is named."""
     if globals_too:
         # A dropped identity guard on a global holds for every entry alike (H31):
         # checked first, so that a kept assertion failing on the same swap (a value
@@ -336,6 +350,26 @@ def check(
     if best:
         return None, best[0].describe(scope, target), best[0]
     return None, "no compiled entry matches the module's state", None
+
+
+def _all_hold(
+    entries: list[tuple[Assertion, ...]], scope: dict[str, Any], globals_too: bool
+) -> bool:
+    """Whether :func:`check` finds nothing, asked of each entry's generated checks
+    (:mod:`~guardtrain.compile.fastcheck`): some entry's kept assertions hold, and so do
+    the dropped ones of each such entry and the dropped ones on globals of every entry.
+    False sends :func:`check` to the assertions one by one, to name what changed."""
+    any_kept = False
+    for entry in entries:
+        checks = entry_checks(entry)
+        if checks.kept(**scope):
+            any_kept = True
+            dropped = checks.dropped if globals_too else checks.dropped_locals
+            if not dropped(**scope):
+                return False
+        elif globals_too and not checks.dropped_globals(**scope):
+            return False
+    return any_kept
 
 
 def _dropped_global_changed(

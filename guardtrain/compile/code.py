@@ -20,6 +20,7 @@ from torch import nn
 import guardtrain.compile.watch as _watch
 from guardtrain.compile.assertions import (
     Assertion,
+    Recorded,
     attribute_names,
     global_assertions,
     kept_global_assertions,
@@ -197,7 +198,7 @@ class TargetCode:
         recorded.extend(self._moved(entries, keep, own_frame))
         if own_frame:
             recorded.extend(kept_global_assertions(entries, keep))
-        self.assertions.append(tuple(recorded))
+        self.assertions.append(Recorded(recorded))
         _watch.read_names.update(attribute_names(entries))
         for m in self.members:
             # The entries change: what was accepted or harvested may no longer be what
