@@ -17,13 +17,14 @@ from guardtrain.engine.host import Host
 from guardtrain.engine.phases import Loop
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.presets import GuardPreset
+from guardtrain.view import EngineView
 
 __all__ = ["DISABLE_ENV", "GuardTuneCallback"]
 
 _TRAIN, _VALIDATE, _TEST, _PREDICT = (loop.value for loop in Loop)
 
 
-class GuardTuneCallback(Callback):
+class GuardTuneCallback(EngineView, Callback):
     r"""Compile the model, warm up, lock guards, and fall back to full guards on any change.
 
     The callback compiles its targets in place when the run starts (after the
@@ -88,11 +89,6 @@ class GuardTuneCallback(Callback):
         return self.config.preset
 
     @property
-    def settings(self) -> GuardPreset:
-        """The preset's levers with the explicit arguments applied."""
-        return self.config.levers
-
-    @property
     def compile_kwargs(self) -> dict[str, Any]:
         return self.config.compile_kwargs
 
@@ -106,29 +102,6 @@ class GuardTuneCallback(Callback):
         if config is not None and name in _OTHER_ARGUMENTS:
             return getattr(config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @property
-    def disabled(self) -> bool:
-        """``GUARDTRAIN_DISABLE`` was set when the callback was made: it does nothing."""
-        return self.config.disabled
-
-    @property
-    def engine(self) -> GuardEngine:
-        """The engine (read it; the hooks drive it)."""
-        return self._engine
-
-    @property
-    def phase(self) -> str:
-        """The training loop's phase: ``"warmup"``, ``"steady"``, or ``"off"`` (no stance)."""
-        return self._engine.phase
-
-    def summary(self) -> dict[str, Any]:
-        """Counters and history of the runs so far, as a plain dict."""
-        return self._engine.summary()
-
-    def format_summary(self) -> str:
-        """The end-of-run table logged at INFO on rank zero."""
-        return self._engine.format_summary()
 
     @override
     def state_dict(self) -> dict[str, Any]:

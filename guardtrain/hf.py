@@ -66,7 +66,6 @@ raised, the targets stay compiled until the next run starts or :meth:`GuardTrain
 from __future__ import annotations
 
 import copy
-import dataclasses
 import sys
 from typing import Any
 
@@ -80,7 +79,7 @@ from guardtrain.engine.config import GuardConfig
 from guardtrain.engine.engine import GuardEngine
 from guardtrain.engine.host import Host
 from guardtrain.engine.phases import Loop
-from guardtrain.presets import GuardPreset
+from guardtrain.view import EngineView
 
 __all__ = ["GuardTrainerCallback", "default_targets", "regional_targets"]
 
@@ -92,7 +91,7 @@ _TRAIN, _VALIDATE = Loop.TRAIN.value, Loop.VALIDATE.value
 _OWNER = "GuardTrainerCallback"
 
 
-class GuardTrainerCallback(TrainerCallback):
+class GuardTrainerCallback(EngineView, TrainerCallback):
     r"""Compile the model, warm up, lock guards, and fall back to full guards on any change,
     inside a Hugging Face ``transformers.Trainer``.
 
@@ -141,37 +140,9 @@ class GuardTrainerCallback(TrainerCallback):
     # -- public ------------------------------------------------------------------------------
 
     @property
-    def settings(self) -> GuardPreset:
-        """The preset's levers with the explicit arguments applied."""
-        return self.config.levers
-
-    @property
-    def engine(self) -> GuardEngine:
-        """The engine (read it; the hooks drive it)."""
-        return self._engine
-
-    @property
-    def phase(self) -> str:
-        """The training loop's phase: ``"warmup"``, ``"steady"``, or ``"off"`` (no stance)."""
-        return self._engine.phase
-
-    @property
-    def disabled(self) -> bool:
-        """``GUARDTRAIN_DISABLE`` was set when the callback was made: it does nothing."""
-        return self.config.disabled
-
-    @property
     def switched_off(self) -> str | None:
         """Why the callback does nothing in this Trainer (DeepSpeed), or None."""
         return self._plugins.off
-
-    def summary(self) -> dict[str, Any]:
-        """Counters and history, with the same keys as ``GuardTuneCallback.summary()``."""
-        return self._engine.summary()
-
-    def format_summary(self) -> str:
-        """The end-of-run table logged at INFO on the main process."""
-        return self._engine.format_summary()
 
     def restore(self) -> None:
         """Put back what a run changed (stance, config, the targets' ``forward``) now;
@@ -294,15 +265,13 @@ class GuardTrainerCallback(TrainerCallback):
         engine = self._engine
         world = int(getattr(args, "world_size", 1) or 1)
         rank = int(getattr(args, "process_index", 0) or 0)
-        engine.config = self.config
         taken = self._plugins.taken
-        if taken is not None:
-            engine.config = dataclasses.replace(self.config, compile_kwargs=taken.compile_kwargs)
         engine.host = hfa.make_host(world, rank, _OWNER)
         engine.setup(
             world_size=world,
             rank=rank,
             swaps_parameters=hfa.fsdp_swapper(hfa.accelerate_state()),
+            compile_kwargs=None if taken is None else taken.compile_kwargs,
         )
         assert self._root is not None
         regional = taken is not None and taken.regional

@@ -37,7 +37,7 @@ from guardtrain.engine.engine import GuardEngine
 from guardtrain.engine.host import Host
 from guardtrain.engine.phases import LOOPS, Loop
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainValueError
-from guardtrain.presets import GuardPreset
+from guardtrain.view import EngineView
 
 __all__ = ["GuardTuner"]
 
@@ -118,7 +118,7 @@ class _LoopPass:
         tuner._engine.loop_start(Loop.TRAIN.value)
 
 
-class GuardTuner:
+class GuardTuner(EngineView):
     r"""Compile ``model``, warm up, lock guards, and fall back to full guards on any change.
 
     The same engine as :class:`~guardtrain.GuardTuneCallback`, for loops you write
@@ -197,28 +197,6 @@ class GuardTuner:
         self._in_loop = False
 
     # -- public ------------------------------------------------------------------------------
-
-    @property
-    def settings(self) -> GuardPreset:
-        """The preset's levers with the explicit arguments applied."""
-        return self.config.levers
-
-    @property
-    def phase(self) -> str:
-        """The training loop's phase: ``"warmup"``, ``"steady"``, or ``"off"`` (no stance)."""
-        return self._engine.phase
-
-    @property
-    def engine(self) -> GuardEngine:
-        """The engine (read it; do not drive it while the tuner is in use)."""
-        return self._engine
-
-    def summary(self) -> dict[str, Any]:
-        """Counters and history, with the same keys as ``GuardTuneCallback.summary()``."""
-        return self._engine.summary()
-
-    def format_summary(self) -> str:
-        return self._engine.format_summary()
 
     def step(self, batch: Any) -> _Step:
         """The context manager around one step of the current loop (see the class rules)."""

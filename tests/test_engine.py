@@ -183,6 +183,29 @@ def test_engine_without_a_trainer() -> None:
     assert loaded["guard"]["rearms"][0]["loop"] == "train"
 
 
+def test_setup_takes_the_runs_compile_options() -> None:
+    """An adapter that takes over a framework's compile passes its options to ``setup``:
+    that run compiles with them; the next run without them goes back to the arguments'."""
+    config = make_config(
+        "aggressive", warmup_steps=2, stable_steps=1, compile_kwargs={"backend": "inductor"}
+    )
+    engine = GuardEngine(config, Host(info=lambda m: None, warn=lambda m: None))
+    net = Net()
+    engine.setup(compile_kwargs={"backend": "eager", "dynamic": False})
+    assert engine.config.compile_kwargs == {"backend": "eager", "dynamic": False}
+    assert engine.config.preset == config.preset and engine.config is not config
+    engine.activate(net, root_by_default=True)
+    (target,) = engine.targets.installed
+    assert target.code.compile_kwargs["backend"] == "eager"
+    with torch.no_grad():
+        drive(engine, net, [torch.randn(3, 8) for _ in range(4)], "train")
+    engine.finish()
+    assert_restored(net)
+    engine.setup()
+    assert engine.config is config  # the adapter's arguments again
+    assert config.compile_kwargs == {"backend": "inductor"}  # never written
+
+
 def test_direct_dispatch_is_off_when_every_target_is_refused() -> None:
     """H37: with each target refused (FSDP2's fully_shard), ``direct_dispatch["on"]`` is
     False; one target left is enough for True."""

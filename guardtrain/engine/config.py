@@ -206,6 +206,13 @@ class GuardConfig:
         set_(self, "verify_atol", float(self.verify_atol))
         set_(self, "compile_cache", _cache_path(self.compile_cache))
 
+    def for_run(self, compile_kwargs: dict[str, Any] | None) -> GuardConfig:
+        """This config, or (``compile_kwargs`` given) a copy with them in place of its own,
+        validated again: a run whose adapter took over a framework's own compile."""
+        if compile_kwargs is None:
+            return self
+        return dataclasses.replace(self, compile_kwargs=compile_kwargs)
+
     @property
     def filter_name(self) -> str | None:
         spec = self.filter_spec

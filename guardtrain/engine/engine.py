@@ -53,6 +53,8 @@ class GuardEngine(Reactions):
 
     def __init__(self, config: GuardConfig, host: Host | None = None) -> None:
         self.config = config
+        """This run's arguments: the adapter's, with :meth:`setup`'s ``compile_kwargs``."""
+        self._arguments = config
         self.host = host or Host()
         self.restored: dict[str, Any] = {}
         """Counters of earlier runs (a checkpoint, or earlier trainer calls)."""
@@ -116,6 +118,7 @@ class GuardEngine(Reactions):
         rank: int = 0,
         swaps_parameters: str | None = None,
         sharded_by_hand: str | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Start a run: a fresh phase machine and the levers this torch and strategy allow.
 
@@ -127,7 +130,9 @@ class GuardEngine(Reactions):
             sharded_by_hand: FSDP2's ``fully_shard`` found on the model without such a
                 strategy (H37): ``install_free_tensors`` is switched off, and direct
                 dispatch is refused per sharded target.
+            compile_kwargs: this run's compile options, if not the arguments' (H38).
         """
+        self.config = self._arguments.for_run(compile_kwargs)
         if self._ran:  # a later run: the summary goes on from the earlier ones
             self.restored = summary.carried(self.summary(), self.train_batches())
             self._ran = False
@@ -212,11 +217,7 @@ class GuardEngine(Reactions):
     def finish(self) -> None:
         """End the run: name targets that ran uncompiled, restore, save the compile cache
         (rank zero, ``compile_cache=``), log the summary once."""
-        idle = [
-            self._label(t)
-            for t in self.targets.installed
-            if t.code.compiles == 0 or (t.calls and t.cache_entries() == 0)
-        ]
+        idle = self.targets.idle(self._label)
         if idle:
             self.run.uncompiled = idle
             self.host.warn(

@@ -173,6 +173,15 @@ class TargetSet:
             )
         self.took_over_told = list(names)
 
+    def idle(self, label: Callable[[CompiledTarget], str]) -> list[str]:
+        """The targets (named by ``label``) that ran uncompiled: never compiled, or called
+        with no entry left (Dynamo skipped their code)."""
+        return [
+            label(t)
+            for t in self.installed
+            if t.code.compiles == 0 or (t.calls and t.cache_entries() == 0)
+        ]
+
     def restore(self) -> None:
         """Uninstall every target and give the user's own compiles back."""
         for target in self.installed:
