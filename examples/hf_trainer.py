@@ -5,8 +5,9 @@
     python examples/hf_trainer.py --torch-compile   # TrainingArguments(torch_compile=True)
     python examples/hf_trainer.py --no-guard        # the same run without guardtrain
 
-The model is built from a config with random weights and the data is random token ids
-of varying length (dynamic padding): no hub access. The run prints the losses, the
+The model is built from a config with random weights (``tiny_gpt2_config``: 2 layers,
+2 heads) and the data is random token ids of varying length, padded per batch
+(``pad``, as ``DataCollatorWithPadding`` does): no hub access, no tokenizer. The run prints the losses, the
 evaluation loss and guardtrain's summary; ``main()`` returns the evaluation loss and the
 summary.
 """
@@ -19,9 +20,10 @@ import tempfile
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
 from guardtrain import GuardTrainerCallback
+from guardtrain.bench.hf_data import pad, tiny_gpt2_config  # DataCollatorWithPadding's job
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -39,17 +41,6 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.items[i]}
 
 
-def pad(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Pad to the longest sequence of the batch (what ``DataCollatorWithPadding`` does)."""
-    n = max(len(x["input_ids"]) for x in items)
-    ids = torch.zeros(len(items), n, dtype=torch.long)
-    mask = torch.zeros(len(items), n, dtype=torch.long)
-    for i, x in enumerate(items):
-        ids[i, : len(x["input_ids"])] = x["input_ids"]
-        mask[i, : len(x["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="aot_eager")
@@ -61,16 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # the summary is printed
     torch.set_num_threads(1)
     set_seed(0)
-    config = GPT2Config(
-        vocab_size=128,
-        n_positions=64,
-        n_embd=64,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=128, n_embd=64))
     callbacks: list[Any] = []
     compile_args: dict[str, Any] = {}
     if opts.torch_compile:

@@ -24,7 +24,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from transformers import (  # noqa: E402
-    GPT2Config,
     GPT2LMHeadModel,
     GPT2Model,
     Trainer,
@@ -34,6 +33,7 @@ from transformers import (  # noqa: E402
 )
 
 from guardtrain import GuardTrainerCallback  # noqa: E402
+from guardtrain.bench.hf_data import Tokens, pad, tiny_gpt2_config  # noqa: E402
 from guardtrain.engine.session import stance_is_unsafe  # noqa: E402
 from guardtrain.hf import default_targets, regional_targets  # noqa: E402
 
@@ -45,49 +45,9 @@ STEPS = 24
 # -- the model, the data and the runs ---------------------------------------------------------
 
 
-def tiny_config(**extra: Any) -> GPT2Config:
-    return GPT2Config(
-        vocab_size=64,
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-        **extra,
-    )
-
-
 def tiny_model(seed: int = 0, cls: type = GPT2LMHeadModel, **extra: Any) -> Any:
     set_seed(seed)
-    return cls(tiny_config(**extra))
-
-
-class Tokens(torch.utils.data.Dataset):
-    """``n`` sequences of random token ids; ``lengths`` cycle (dynamic padding)."""
-
-    def __init__(self, n: int, seed: int = 0, lengths: tuple[int, ...] = (16,)) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.items = [
-            torch.randint(1, 64, (lengths[i % len(lengths)],), generator=g) for i in range(n)
-        ]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.items[i]}
-
-
-def pad(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``DataCollatorWithPadding``'s job: pad to the longest sequence of the batch."""
-    n = max(len(x["input_ids"]) for x in items)
-    ids = torch.zeros(len(items), n, dtype=torch.long)
-    mask = torch.zeros(len(items), n, dtype=torch.long)
-    for i, x in enumerate(items):
-        ids[i, : len(x["input_ids"])] = x["input_ids"]
-        mask[i, : len(x["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return cls(tiny_gpt2_config(**extra))
 
 
 def make_args(out: Path, **overrides: Any) -> TrainingArguments:
@@ -481,6 +441,64 @@ def test_model_init_new_model_per_train(tmp_path: Path) -> None:
     assert_same_weights(first, first_eager)
     assert not first._forward_pre_hooks  # the hooks moved to the new model
     assert cb.summary()["phases"]["train"] == "steady"
+
+
+class _Trials(TrainerCallback):
+    """Each trial's model, training losses and summary (the Trainer drops the model after)."""
+
+    def __init__(self, guard: GuardTrainerCallback | None = None) -> None:
+        self.guard = guard
+        self.models: list[Any] = []
+        self.losses: list[list[float]] = []
+        self.summaries: list[dict[str, Any]] = []
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.models.append(kwargs["model"])
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.losses.append([h["loss"] for h in state.log_history if "loss" in h])
+        if self.guard is not None:
+            self.summaries.append(self.guard.summary())
+
+
+@pytest.mark.slow
+def test_hyperparameter_search_new_model_per_trial(tmp_path: Path) -> None:
+    optuna = pytest.importorskip("optuna")
+
+    def space(trial: Any) -> dict[str, Any]:
+        return {"learning_rate": trial.suggest_categorical("learning_rate", [1e-3, 3e-4, 1e-4])}
+
+    def search(out: Path, callbacks: list[Any]) -> Any:
+        trainer = trainer_for(
+            out, callbacks, trainer_kwargs={"model_init": lambda: tiny_model()}, max_steps=12
+        )
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        return trainer.hyperparameter_search(
+            hp_space=space,
+            backend="optuna",
+            n_trials=3,
+            direction="minimize",
+            sampler=optuna.samplers.TPESampler(seed=0),
+        )
+
+    eager_trials = _Trials()
+    eager = search(tmp_path / "e", [eager_trials])
+    cb = guard()
+    trials = _Trials(cb)
+    best = search(tmp_path / "g", [cb, trials])
+    assert (best.run_id, best.objective, best.hyperparameters) == (
+        eager.run_id,
+        eager.objective,
+        eager.hyperparameters,
+    )
+    assert trials.losses == eager_trials.losses and len(trials.losses) == 3
+    assert len({id(m) for m in trials.models}) == 3  # a new model per trial
+    for model in trials.models[:-1]:
+        assert not model._forward_pre_hooks and not model._forward_hooks  # moved on
+    for summary in trials.summaries:
+        assert summary["phases"]["train"] == "steady"
+        assert summary["steady_steps"] > 0
+    assert not stance_is_unsafe()
 
 
 @pytest.mark.slow

@@ -193,16 +193,15 @@ def tiny_gpt2(
 
     The model returns a ``CausalLMOutput`` (the bench uses its logits); no KV cache is
     returned (``use_cache=False``)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    config = GPT2Config(
+    from guardtrain.bench.hf_data import tiny_gpt2_config
+
+    config = tiny_gpt2_config(
         vocab_size=vocab_size,
         n_positions=max(64, seq_len),
         n_embd=n_embd,
         n_layer=n_layer,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
         use_cache=False,
     )
     model = GPT2LMHeadModel(config)

@@ -1,0 +1,59 @@
+"""A tiny GPT-2 config and generated token data for ``Trainer`` runs (no hub, no tokenizer).
+
+What the bench's :func:`~guardtrain.bench.models.tiny_gpt2`, the Hugging Face tests and
+their multi-process scripts build their runs from. Needs ``transformers``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["Tokens", "pad", "tiny_gpt2_config"]
+
+
+def tiny_gpt2_config(**extra: Any) -> Any:
+    """A ``GPT2Config`` of 2 layers, width 32, 2 heads, 64 tokens; ``extra`` overrides."""
+    from transformers import GPT2Config
+
+    values: dict[str, Any] = {
+        "vocab_size": 64,
+        "n_positions": 64,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 2,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+    values.update(extra)
+    return GPT2Config(**values)
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``n`` sequences of random token ids in ``[1, 64)``, seeded; their lengths cycle
+    through ``lengths`` (for dynamic padding). Items are ``{"input_ids": ids}``."""
+
+    def __init__(self, n: int, seed: int = 0, lengths: tuple[int, ...] = (16,)) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.items = [
+            torch.randint(1, 64, (lengths[i % len(lengths)],), generator=g) for i in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.items[i]}
+
+
+def pad(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``DataCollatorWithPadding``'s job: pad to the longest sequence of the batch, with an
+    attention mask, and labels that ignore the padding (-100)."""
+    n = max(len(x["input_ids"]) for x in items)
+    ids = torch.zeros(len(items), n, dtype=torch.long)
+    mask = torch.zeros(len(items), n, dtype=torch.long)
+    for i, x in enumerate(items):
+        ids[i, : len(x["input_ids"])] = x["input_ids"]
+        mask[i, : len(x["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
