@@ -5,7 +5,8 @@ backend) until training is steady, then, inside a later step (the run still acti
 times the callback's two hooks on the last batch's arguments, as torch calls them
 around ``model(**inputs)``: the forward pre-hook (the engine's ``batch_start``: the
 batch-signature match, the stance set) and the forward hook (the stance lifted, the
-engine's ``batch_end``). Audits (every ``audit_every`` calls) are included, amortised.
+engine's ``batch_end``). Audits (every ``audit_every`` calls) are included, amortised;
+one audit's boundary re-check and its parts are timed on their own too.
 
 For scale it also times what torch itself adds to a call for two hooks (a module
 whose ``forward`` does nothing, with and without two no-op hooks). Medians of 7
@@ -29,6 +30,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from guardtrain import GuardTrainerCallback
 from guardtrain.bench.models import tiny_gpt2
+from guardtrain.compile import assertions as _assertions
+from guardtrain.fingerprints import module_fingerprint
 from guardtrain.hf_accelerate import Hook
 
 
@@ -90,7 +93,36 @@ class Timer(TrainerCallback):
             "hooks_us": per_call(both, self.calls),
             "steady": g.phase == "steady",
             "steady_calls_counted": g.engine.machine.steady_steps - steady_before,
+            "audit": audit_parts(g.engine, max(self.calls // 100, 20)),
         }
+
+
+def audit_parts(engine: Any, calls: int) -> dict[str, float]:
+    """µs of one audit's boundary re-check of every target, and of its parts summed over
+    the targets: the assertions (generated checks, and one by one for comparison) and the
+    module fingerprints. Side by side in this process, medians of 7."""
+    targets = engine.targets.installed
+
+    def assertions() -> None:
+        for t in targets:
+            t.check_assertions()
+
+    def fingerprints() -> None:
+        for t in targets:
+            module_fingerprint(t.module)
+
+    parts = {
+        "boundary_us": per_call(lambda: engine._boundary_check("train"), calls),
+        "assertions_us": per_call(assertions, calls),
+        "fingerprints_us": per_call(fingerprints, calls),
+    }
+    generated = _assertions._all_hold
+    _assertions._all_hold = lambda entries, scope, globals_too: False  # type: ignore[assignment]
+    try:
+        parts["assertions_one_by_one_us"] = per_call(assertions, calls)
+    finally:
+        _assertions._all_hold = generated
+    return parts
 
 
 def torch_hook_overhead(calls: int) -> float:
@@ -151,6 +183,13 @@ def main() -> None:
         f"GuardTrainerCallback hooks per forward (steady): {r['hooks_us']:.2f} µs "
         f"(steady throughout: {r['steady']}, {r['steady_calls_counted']} steady calls counted)\n"
         f"torch's own cost of two hooks on a call: {torch_hook_overhead(opts.calls):.2f} µs"
+    )
+    a = r["audit"]
+    print(
+        f"one audit (every {opts.audit_every or None} calls): boundary re-check "
+        f"{a['boundary_us']:.0f} µs; its assertions {a['assertions_us']:.0f} µs "
+        f"(one by one: {a['assertions_one_by_one_us']:.0f} µs), "
+        f"fingerprints {a['fingerprints_us']:.0f} µs"
     )
 
 

@@ -106,10 +106,10 @@ def test_generated_checks_agree_with_each_assertion(guard_filter: Any, change: s
         for entry in entries:
             checks = entry_checks(entry)
             assert entry_checks(entry) is checks  # made once, kept on the entry
-            assert checks.kept(**scope) == one_by_one(entry, scope, True)
-            assert checks.dropped(**scope) == one_by_one(entry, scope, False)
+            assert checks.kept(scope) == one_by_one(entry, scope, True)
+            assert checks.dropped(scope) == one_by_one(entry, scope, False)
             locals_ = tuple(a for a in entry if not a.glob)
-            assert checks.dropped_locals(**scope) == one_by_one(locals_, scope, False)
+            assert checks.dropped_locals(scope) == one_by_one(locals_, scope, False)
         if change == "nothing":
             assert target.check_assertions() == (None, None)
         else:
@@ -129,8 +129,8 @@ def test_a_changed_global_is_found_by_both() -> None:
         scope = target.scope()
         for entry in target.code.assertions:
             checks = entry_checks(entry)
-            assert checks.kept(**scope) == one_by_one(entry, scope, True)
-            assert checks.dropped(**scope) == one_by_one(entry, scope, False)
+            assert checks.kept(scope) == one_by_one(entry, scope, True)
+            assert checks.dropped(scope) == one_by_one(entry, scope, False)
     finally:
         SETTINGS["scale"] = before
 
@@ -159,17 +159,24 @@ def test_each_kind_and_an_empty_group() -> None:
         assertion("module._forward_hooks", "empty", None),
     ]
     checks = EntryChecks(entry)
-    assert checks.kept(module=inner) and checks.dropped(module=inner)  # no dropped: True
+    assert checks.kept({"module": inner}) and checks.dropped({"module": inner})  # no dropped: True
     inner.p = True  # equal to 1.0 by ==, another type: the value guard fails
-    assert not checks.kept(module=inner)
+    assert not checks.kept({"module": inner})
     inner.p = 0.5
     lin = inner.lin
     inner.lin = nn.Linear(4, 4)  # the same type, another object: the identity guard fails
-    assert not checks.kept(module=inner)
+    assert not checks.kept({"module": inner})
     inner.lin = lin
-    assert checks.kept(module=inner)
+    assert checks.kept({"module": inner})
     inner.register_forward_hook(lambda *a: None)
-    assert not checks.kept(module=inner)
+    assert not checks.kept({"module": inner})
+
+
+def test_a_name_missing_from_the_scope_fails_as_evaluating_it_does() -> None:
+    a = Assertion("module", "type", type(None), True, compile("module", "<guard>", "eval"))
+    assert a.holds({}) is False  # NameError
+    assert EntryChecks([a]).kept({}) is False
+    assert EntryChecks([a]).kept({"module": None}) is True
 
 
 def test_reads_are_shared_and_odd_sources_kept() -> None:

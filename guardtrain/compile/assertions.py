@@ -362,12 +362,12 @@ def _all_hold(
     any_kept = False
     for entry in entries:
         checks = entry_checks(entry)
-        if checks.kept(**scope):
+        if checks.kept(scope):
             any_kept = True
             dropped = checks.dropped if globals_too else checks.dropped_locals
-            if not dropped(**scope):
+            if not dropped(scope):
                 return False
-        elif globals_too and not checks.dropped_globals(**scope):
+        elif globals_too and not checks.dropped_globals(scope):
             return False
     return any_kept
 

@@ -22,12 +22,13 @@ from guardtrain.compile.trampoline import CLOSURE_NAME, SHARED_NAME
 
 __all__ = ["EntryChecks", "entry_checks"]
 
-#: What the generated functions are called with: the names a target's scope binds.
+#: The names a target's scope binds (:meth:`CompiledTarget.scope`).
 _SCOPE_NAMES = (CLOSURE_NAME, SHARED_NAME, "G")
 
 
 class EntryChecks:
-    """One entry's assertions, grouped, each group checked by one generated function."""
+    """One entry's assertions, grouped, each group checked by one generated function of the
+    target's scope (``checks.kept(target.scope())``)."""
 
     __slots__ = ("dropped", "dropped_globals", "dropped_locals", "kept")
 
@@ -53,8 +54,8 @@ def entry_checks(entry: Any) -> EntryChecks:
     return found
 
 
-def _all_hold(assertions: list[Any]) -> Callable[..., bool]:
-    """A function of the scope's names that is True when every assertion holds.
+def _all_hold(assertions: list[Any]) -> Callable[[dict[str, Any]], bool]:
+    """A function of the scope (what the sources read) that is True when every assertion holds.
 
     Each term is the comparison :meth:`Assertion.holds` makes. The objects that the
     sources read on the way (``bound.__self__._modules['h']``) are read once each,
@@ -78,10 +79,13 @@ def _all_hold(assertions: list[Any]) -> Callable[..., bool]:
             terms.append(f"type({expr}) is _v{i}")
         else:
             terms.append(f"len({expr}) == 0")
-    parameters = ", ".join(f"{name}=None" for name in _SCOPE_NAMES)
-    body = "".join(f"        {line}\n" for line in reads.lines)
+    # The scope's names that the sources read, taken from the scope: a missing one
+    # raises (as evaluating the source would), so the whole function is False.
+    used = sorted({n for a in assertions for n in a.expr.co_names if n in _SCOPE_NAMES})
+    body = "".join(f"        {name} = _scope[{name!r}]\n" for name in used)
+    body += "".join(f"        {line}\n" for line in reads.lines)
     source = (
-        f"def _holds({parameters}):\n"
+        "def _holds(_scope):\n"
         "    try:\n"
         f"{body}"
         f"        return bool({' and '.join(terms)})\n"
@@ -140,5 +144,5 @@ def _step_ends(name: str) -> list[int] | None:
     return ends
 
 
-def _true(**scope: Any) -> bool:
+def _true(scope: dict[str, Any]) -> bool:
     return True
