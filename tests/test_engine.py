@@ -216,3 +216,44 @@ def test_direct_dispatch_is_off_when_every_target_is_refused() -> None:
     assert _every_target_refused(["blocks.0", "blocks.1", "head"], refused) is False
     assert _every_target_refused(["head"], []) is False
     assert _every_target_refused([], refused) is False  # nothing compiled yet
+
+
+def test_boundary_check_under_fsdp_ignores_swapped_parameters_not_hooks() -> None:
+    """Under a strategy that swaps parameters (FSDP) and without install_free_tensors, the
+    boundary re-check compares the hooks only, and takes the fingerprint again; with no
+    such strategy, or with install_free_tensors, a swapped parameter still rebuilds."""
+    import types
+
+    from guardtrain.engine.checks import Checks
+    from guardtrain.fingerprints import module_fingerprint
+
+    def target(module: nn.Module, free: bool = False) -> Any:
+        return types.SimpleNamespace(
+            calls=0,
+            cache_entries=lambda: 1,
+            reference=module_fingerprint(module),
+            module=module,
+            code=types.SimpleNamespace(install_free_tensors=free),
+            check_assertions=lambda: (None, None),
+        )
+
+    def swapped(t: Any) -> Any:
+        t.module.weight = nn.Parameter(t.module.weight.detach().clone())  # FSDP's swap
+        return t
+
+    plain = swapped(target(nn.Linear(2, 2)))
+    assert Checks().boundary(plain, "lin") == (
+        True,
+        "parameter 'weight' was replaced by another tensor object",
+    )
+    fsdp = swapped(target(nn.Linear(2, 2)))
+    assert Checks().boundary(fsdp, "lin", "accelerate's FSDP") is None
+    assert fsdp.reference == module_fingerprint(fsdp.module)  # taken again
+    free = swapped(target(nn.Linear(2, 2), free=True))
+    assert Checks().boundary(free, "lin", "accelerate's FSDP") is not None
+    hooked = swapped(target(nn.Linear(2, 2)))
+    hooked.module.register_forward_hook(lambda *a: None)
+    assert Checks().boundary(hooked, "lin", "accelerate's FSDP") == (
+        True,
+        "hooks of '<root>' changed",
+    )

@@ -653,7 +653,7 @@ def test_a_target_that_breaks_the_graph_is_split(tmp_path: Path) -> None:
     assert "transformer.h.0" in s["targets"]
 
 
-# -- FSDP and DeepSpeed (accelerate's state faked: neither runs on this CPU) -------------------
+# -- FSDP and DeepSpeed, accelerate's state faked (fast; FSDP2 for real is further down) ------
 
 
 def _fake_state(kind: str, **plugins: Any) -> Any:
@@ -742,6 +742,140 @@ def test_ddp_two_processes_through_accelerate(tmp_path: Path) -> None:
     s = guarded["summary"]
     assert s["phases"]["train"] == "steady"
     assert s["steady_steps"] >= 0.8 * (STEPS - 4)
+
+
+# -- FSDP2 through accelerate, for real -------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp2_two_processes_through_accelerate(tmp_path: Path) -> None:
+    """``TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})`` on 2 CPU processes
+    (gloo): accelerate shards each ``GPT2Block`` and the root with ``fully_shard``. The
+    script gives accelerate's process state the type it has on a GPU machine, since on the
+    CPU accelerate 1.15 drops the FSDP plugin and the Trainer runs DDP (its docstring).
+    Each guarded run against the eager FSDP2 run, on each rank: losses and gathered weights
+    bitwise equal (``aot_eager``, dropout on); install_free_tensors off, naming the plugin;
+    turbo refused with one warning on the main process; the stance on for the training
+    forwards after warm-up, also across the epoch boundary at forward 16."""
+    script = REPO / "tests" / "ddp_scripts" / "hf_fsdp_run.py"
+    plugin = "accelerate's FSDP (FullyShardedDataParallelPlugin, fsdp_version 2)"
+
+    def launch(name: str, *extra: str) -> list[dict[str, Any]]:
+        out = tmp_path / name
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",  # a free port: no clash with other runs on the machine
+            "--nproc_per_node",
+            "2",
+            str(script),
+            "--out",
+            str(out),
+            *extra,
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+
+    eager = launch("eager")
+    assert [e["distributed_type"] for e in eager] == ["FSDP", "FSDP"]
+    for preset in ("aggressive", "turbo"):
+        guarded = launch(preset, "--guard", preset)
+        for e, g in zip(eager, guarded):
+            where = f"{preset}, rank {g['rank']}"
+            assert g["world_size"] == 2 and g["distributed_type"] == "FSDP", where
+            assert g["fsdp_version"] == 2 and g["model_class"] == "FSDPGPT2LMHeadModel", where
+            assert len(g["losses"]) == STEPS, where
+            assert g["losses"] == e["losses"], where
+            assert g["weights"] == e["weights"], where
+            s = g["summary"]
+            # The FSDP plugin was seen: install_free_tensors off, in the engine and the summary.
+            assert g["install_free_tensors"] is False, where
+            assert s["levers"]["install_free_tensors"] is False, where
+            assert [(x["lever"], x["why"].startswith(plugin)) for x in s["switched_off"]] == [
+                ("install_free_tensors", True)
+            ], (where, s["switched_off"])
+            direct = s["direct_dispatch"]
+            assert direct["on"] is False and direct["calls"] == 0, (where, direct)
+            refusals = [w for w in g["warnings"] if "direct dispatch (turbo) is refused" in w]
+            if preset == "turbo":
+                assert direct["requested"] and direct["refused"].startswith(plugin), where
+                # Warnings on the main process only.
+                assert len(refusals) == (1 if g["rank"] == 0 else 0), (where, g["warnings"])
+                assert all(plugin in w for w in refusals), refusals
+            else:
+                assert not direct["requested"] and not refusals, where
+            # The stance: on for the training forwards after warm-up (4), including those
+            # after the epoch boundary (forward 16: the boundary re-check forgives FSDP's
+            # swapped parameters, as the per-call check does).
+            after = g["stance"][s["warmup_steps_taken"] :]
+            assert len(g["stance"]) == STEPS, where
+            assert after.count("1") >= 0.8 * (STEPS - 4), (where, g["stance"])
+            assert s["phases"]["train"] == "steady", where
+            assert s["steady_steps"] >= 0.8 * (STEPS - 4), where
+            assert not [r for r in s["rearms"] if "graph break" not in r["reason"]], (
+                where,
+                s["rearms"],
+            )
+
+
+# -- DeepSpeed through accelerate, for real ---------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepspeed_two_processes_switch_guardtrain_off(tmp_path: Path) -> None:
+    """``TrainingArguments(deepspeed={ZeRO-2}, use_cpu=True)`` on 2 CPU processes with
+    ``DS_ACCELERATOR=cpu`` (gloo): the Trainer trains through DeepSpeed's engine, and
+    the callback switches itself off with one warning (main process) naming the plugin:
+    no hooks, no targets, no compile, and the losses of the run without it."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    script = REPO / "tests" / "ddp_scripts" / "hf_deepspeed_run.py"
+
+    def launch(name: str, *extra: str) -> list[dict[str, Any]]:
+        out = tmp_path / name
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",  # a free port: no clash with other runs on the machine
+            "--nproc_per_node",
+            "2",
+            str(script),
+            "--out",
+            str(out),
+            *extra,
+        ]
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+
+    plain = launch("plain")
+    guarded = launch("guarded", "--guard", "aggressive")
+    for p, g in zip(plain, guarded):
+        where = f"rank {g['rank']}"
+        assert g["world_size"] == 2 and g["distributed_type"] == "DEEPSPEED", where
+        assert g["zero_stage"] == 2 and g["model_class"] == "DeepSpeedEngine", where
+        assert len(g["losses"]) == 6 and g["losses"] == p["losses"], where
+        assert g["switched_off"] is not None, where
+        assert "DeepSpeedPlugin" in g["switched_off"] and "ZeRO stage 2" in g["switched_off"]
+        told = [w for w in g["warnings"] if "switches itself off" in w]
+        assert len(told) == (1 if g["rank"] == 0 else 0), (where, g["warnings"])
+        assert all("DeepSpeedPlugin" in w and "ZeRO stage 2" in w for w in told), told
+        assert g["warnings"] == told, (where, g["warnings"])  # nothing else from guardtrain
+        # DeepSpeed's engine hooks the module itself; none of the hooks is guardtrain's.
+        assert g["hooks"] and not [h for h in g["hooks"] if "guardtrain" in h], g["hooks"]
+        s = g["summary"]
+        assert s["targets"] == [] and s["compiles"] == 0 and s["steady_steps"] == 0, where
 
 
 @pytest.mark.slow

@@ -67,13 +67,21 @@ class Checks:
         for target in targets:
             self.checked_calls += target.stop_checking()
 
-    def boundary(self, target: CompiledTarget, label: str) -> tuple[bool, str] | None:
+    def boundary(
+        self, target: CompiledTarget, label: str, swaps_parameters: str | None = None
+    ) -> tuple[bool, str] | None:
         """What the boundary re-check finds in ``target``: ``(rebuild, why)`` or None.
 
         ``rebuild`` is True when its entries no longer fit (a changed fingerprint, a
         stale dropped guard, code that Dynamo skipped, H18); False when no entry's
         kept guards hold (``why`` then says what changed: a steady loop leaves the
         stance).
+
+        ``swaps_parameters`` (FSDP): without install_free_tensors a swapped parameter is
+        no change, as in :func:`caught_change`. The boundary may see the sharded
+        parameters where the reference, taken inside a forward, saw the gathered ones
+        (the Trainer's hooks: FSDP2 keeps the root's group gathered until backward), so
+        only the hooks are compared and the reference is taken again as it is here.
         """
         if target.calls and target.cache_entries() == 0 and label not in self.skipped:
             # Dynamo marked the code skipped, e.g. after a call under a dispatch
@@ -82,7 +90,12 @@ class Checks:
             return True, "Dynamo skipped its code, it ran uncompiled"
         change = None
         if target.reference is not None:
-            change = fingerprint_change(target.reference, module_fingerprint(target.module))
+            now = module_fingerprint(target.module)
+            change = fingerprint_change(target.reference, now)
+            if change is not None and swaps_parameters and not target.code.install_free_tensors:
+                change = fingerprint_change(_hook_rows(target.reference), _hook_rows(now))
+                if change is None:
+                    target.reference = now
         stale, unmatched = target.check_assertions()
         if change is None and stale is not None:
             change = f"{stale} (a guard that was dropped or skipped)"
@@ -91,6 +104,11 @@ class Checks:
         if unmatched is not None:
             return False, unmatched
         return None
+
+
+def _hook_rows(fingerprint: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The hook rows of a :func:`module_fingerprint` (no parameter or buffer rows)."""
+    return tuple(row for row in fingerprint if row[0] == "hooks")
 
 
 def audit_reason(events: list[dict[str, Any]]) -> str:

@@ -353,7 +353,7 @@ class Reactions(Acts):
         ``loop`` leaves the stance when no entry's kept guards hold."""
         rebuild: list[tuple[CompiledTarget, str]] = []
         for target in self.targets.installed:
-            found = self.checks.boundary(target, self._label(target))
+            found = self.checks.boundary(target, self._label(target), self.run.swaps_parameters)
             if found is None:
                 continue
             if found[0]:

@@ -1,0 +1,168 @@
+"""A Hugging Face ``Trainer`` run on 2 CPU processes under accelerate's FSDP2 (gloo).
+
+Started by ``tests/test_hf.py`` with ``python -m torch.distributed.run --nproc_per_node 2``.
+``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2, ...}, use_cpu=True)``:
+the Trainer makes accelerate's ``FullyShardedDataParallelPlugin`` and accelerate applies
+``fully_shard`` to each ``GPT2Block`` and to the root over gloo.
+
+On the CPU accelerate 1.15 drops the FSDP plugin without a word: ``AcceleratorState``
+switches to ``DistributedType.FSDP`` only when the process state's type is one of the
+accelerator kinds (``MULTI_GPU``, ``MULTI_XPU``, ...), never ``MULTI_CPU``, and the Trainer
+then wraps the model in DDP. So, after ``TrainingArguments`` made the process state (CPU
+device, gloo) and before the ``Trainer`` makes its ``Accelerator``, this script sets that
+state's type to ``MULTI_GPU``: what a GPU machine has at that point. Everything after is
+accelerate's and the Trainer's own FSDP2 path (the device stays the CPU); the result says
+whether the override was needed (``stock_type``) and which type the run had.
+
+Every rank writes ``OUT.rank{r}.json``: its logged losses, the digest of the gathered final
+weights, the callback's summary and engine levers, the stance at each training forward,
+and the guardtrain warnings it got. Nothing here imports pytest or the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+
+from guardtrain import GuardTrainerCallback
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.items = [torch.randint(1, 64, (16,), generator=g) for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.items[i]
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def stance_on() -> bool:
+    return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+
+
+def force_fsdp_on_the_cpu() -> str:
+    """Give accelerate's process state the type it has on a GPU machine (see the module
+    docstring); returns the type it had."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    stock = PartialState().distributed_type
+    if stock == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    return str(stock.value)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """The digest of the full (gathered) state dict: a collective on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        value = state[key]
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        digest.update(key.encode())
+        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--guard", default=None)
+    parser.add_argument("--steps", type=int, default=24)
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    set_seed(0)
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config)
+    callbacks: list[Any] = []
+    if opts.guard:
+        callbacks.append(
+            GuardTrainerCallback(
+                opts.guard,
+                compile_kwargs={"backend": "aot_eager"},
+                warmup_steps=4,
+                stable_steps=2,
+            )
+        )
+    stance: list[bool] = []
+
+    def probe(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if module.training:
+            stance.append(stance_on())
+
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = TrainingArguments(
+            out,
+            max_steps=opts.steps,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
+            ddp_backend="gloo",
+            fsdp=True,
+            fsdp_config={
+                "version": 2,
+                "reshard_after_forward": True,
+                "transformer_layer_cls_to_wrap": ["GPT2Block"],
+            },
+        )
+        stock = force_fsdp_on_the_cpu()
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(128, 0), callbacks=callbacks)
+        # After the callback's hooks (put on in the Trainer's on_init_end): sees its stance.
+        model.register_forward_pre_hook(probe, with_kwargs=True)
+        trainer.train()
+    state = trainer.accelerator.state
+    cb = callbacks[0] if callbacks else None
+    result = {
+        "rank": trainer.args.process_index,
+        "world_size": trainer.args.world_size,
+        "stock_type": stock,
+        "distributed_type": str(state.distributed_type.value),
+        "fsdp_version": getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None),
+        "model_class": type(trainer.model_wrapped).__name__,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "weights": weights_digest(trainer.model),
+        "stance": "".join("1" if s else "0" for s in stance),
+        "warnings": [str(w.message) for w in caught if "guardtrain" in str(w.message)],
+        "summary": cb.summary() if cb else None,
+        "install_free_tensors": cb.engine.levers.install_free_tensors if cb else None,
+    }
+    Path(f"{opts.out}.rank{result['rank']}.json").write_text(json.dumps(result, default=str))
+    # Neither rank leaves while the other is still in a collective.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
