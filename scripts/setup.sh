@@ -28,5 +28,8 @@ else
         --extra-index-url https://pypi.org/simple 2>&1 | quiet
 fi
 "$py" -m pip install -q -e ".[dev]" 2>&1 | quiet
+# DeepSpeed for its Trainer test on the CPU (DS_ACCELERATOR=cpu); not in the dev extra:
+# it is an sdist built against the installed torch, and the torch matrix venvs skip it.
+"$py" -m pip install -q "deepspeed>=0.19" 2>&1 | quiet
 "$py" -c "import torch, lightning, guardtrain; print('setup: torch', torch.__version__, \
 '| lightning', lightning.__version__, '| guardtrain', guardtrain.__version__)"

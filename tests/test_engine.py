@@ -228,7 +228,7 @@ def test_boundary_check_under_fsdp_ignores_swapped_parameters_not_hooks() -> Non
     from guardtrain.fingerprints import module_fingerprint
 
     def target(module: nn.Module, free: bool = False) -> Any:
-        return types.SimpleNamespace(
+        t = types.SimpleNamespace(
             calls=0,
             cache_entries=lambda: 1,
             reference=module_fingerprint(module),
@@ -236,6 +236,8 @@ def test_boundary_check_under_fsdp_ignores_swapped_parameters_not_hooks() -> Non
             code=types.SimpleNamespace(install_free_tensors=free),
             check_assertions=lambda: (None, None),
         )
+        t.take_reference = lambda: setattr(t, "reference", module_fingerprint(module))
+        return t
 
     def swapped(t: Any) -> Any:
         t.module.weight = nn.Parameter(t.module.weight.detach().clone())  # FSDP's swap

@@ -95,7 +95,7 @@ class Checks:
             if change is not None and swaps_parameters and not target.code.install_free_tensors:
                 change = fingerprint_change(_hook_rows(target.reference), _hook_rows(now))
                 if change is None:
-                    target.reference = now
+                    target.take_reference()
         stale, unmatched = target.check_assertions()
         if change is None and stale is not None:
             change = f"{stale} (a guard that was dropped or skipped)"

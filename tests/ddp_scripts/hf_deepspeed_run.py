@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
 from guardtrain import GuardTrainerCallback
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_run import Tokens
+from guardtrain.bench.hf_data import Tokens, pad, tiny_gpt2_config
 
 ZERO2 = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -44,16 +41,7 @@ def main() -> None:
     opts = parser.parse_args()
     torch.set_num_threads(1)
     set_seed(0)
-    config = GPT2Config(
-        vocab_size=64,
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(tiny_gpt2_config())
     callbacks: list[Any] = []
     if opts.guard:
         callbacks.append(
@@ -78,7 +66,13 @@ def main() -> None:
             ddp_backend="gloo",
             deepspeed=ZERO2,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 0), callbacks=callbacks)
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=Tokens(64, 0),
+            data_collator=pad,
+            callbacks=callbacks,
+        )
         trainer.train()
     state = trainer.accelerator.state
     cb = callbacks[0] if callbacks else None

@@ -30,22 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
 from guardtrain import GuardTrainerCallback
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.items = [torch.randint(1, 64, (16,), generator=g) for _ in range(n)]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = self.items[i]
-        return {"input_ids": ids, "labels": ids.clone()}
+from guardtrain.bench.hf_data import Tokens, pad, tiny_gpt2_config
 
 
 def stance_on() -> bool:
@@ -86,16 +74,7 @@ def main() -> None:
     opts = parser.parse_args()
     torch.set_num_threads(1)
     set_seed(0)
-    config = GPT2Config(
-        vocab_size=64,
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(tiny_gpt2_config())
     callbacks: list[Any] = []
     if opts.guard:
         callbacks.append(
@@ -135,7 +114,13 @@ def main() -> None:
             },
         )
         stock = force_fsdp_on_the_cpu()
-        trainer = Trainer(model=model, args=args, train_dataset=Tokens(128, 0), callbacks=callbacks)
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=Tokens(128, 0),
+            data_collator=pad,
+            callbacks=callbacks,
+        )
         # After the callback's hooks (put on in the Trainer's on_init_end): sees its stance.
         model.register_forward_pre_hook(probe, with_kwargs=True)
         trainer.train()
