@@ -28,8 +28,10 @@ else
         --extra-index-url https://pypi.org/simple 2>&1 | quiet
 fi
 "$py" -m pip install -q -e ".[dev]" 2>&1 | quiet
-# DeepSpeed for its Trainer test on the CPU (DS_ACCELERATOR=cpu); not in the dev extra:
-# it is an sdist built against the installed torch, and the torch matrix venvs skip it.
-"$py" -m pip install -q "deepspeed>=0.19" 2>&1 | quiet
+# DeepSpeed for the Trainer's DeepSpeed test only, in its own folder that the test puts on
+# its processes' PYTHONPATH: installed into the venv, accelerate and transformers would
+# import it in every run. Its other dependencies come with the dev extra's packages.
+"$py" -m pip install -q --no-deps --upgrade --target .venv/deepspeed "deepspeed>=0.19" \
+    hjson msgpack ninja py-cpuinfo einops 2>&1 | quiet
 "$py" -c "import torch, lightning, guardtrain; print('setup: torch', torch.__version__, \
 '| lightning', lightning.__version__, '| guardtrain', guardtrain.__version__)"

@@ -38,6 +38,8 @@ from guardtrain.engine.session import stance_is_unsafe  # noqa: E402
 from guardtrain.hf import default_targets, regional_targets  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+#: Where scripts/setup.sh installs deepspeed, apart from the venv (the DeepSpeed test only).
+DEEPSPEED = Path(os.environ.get("GUARDTRAIN_DEEPSPEED_PATH", REPO / ".venv" / "deepspeed"))
 AOT = {"backend": "aot_eager"}
 STEPS = 24
 
@@ -832,10 +834,8 @@ def test_deepspeed_two_processes_switch_guardtrain_off(tmp_path: Path) -> None:
     ``DS_ACCELERATOR=cpu`` (gloo): the Trainer trains through DeepSpeed's engine, and
     the callback switches itself off with one warning (main process) naming the plugin:
     no hooks, no targets, no compile, and the losses of the run without it."""
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed")
+    if not (DEEPSPEED / "deepspeed").is_dir():
+        pytest.skip(f"deepspeed is not installed in {DEEPSPEED} (scripts/setup.sh)")
     script = REPO / "tests" / "ddp_scripts" / "hf_deepspeed_run.py"
 
     def launch(name: str, *extra: str) -> list[dict[str, Any]]:
@@ -852,7 +852,9 @@ def test_deepspeed_two_processes_switch_guardtrain_off(tmp_path: Path) -> None:
             str(out),
             *extra,
         ]
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        path = os.pathsep.join(
+            filter(None, [str(REPO), str(DEEPSPEED), os.environ.get("PYTHONPATH")])
+        )
         env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
         env.setdefault("DS_ACCELERATOR", "cpu")
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
