@@ -189,3 +189,16 @@ def test_reads_are_shared_and_odd_sources_kept() -> None:
     assert reads.source("len(m.x)") == "len(m.x)"  # not a chain of reads
     assert reads.source("m.x") == "m.x"  # one step: nothing to share
     assert reads.source("m._modules['a.b'][0]").startswith("_r")  # a dot inside a key
+
+
+def test_recorded_entries_copy_without_their_checks() -> None:
+    import copy
+
+    _, target = compiled(skip_rechecked)
+    entry = target.code.assertions[0]
+    entry_checks(entry)
+    assert hasattr(entry, "checks")
+    twin = copy.copy(entry)
+    assert type(twin) is Recorded and tuple(twin) == tuple(entry)
+    assert not hasattr(twin, "checks")  # made afresh when it is checked
+    assert entry_checks(twin).kept(target.scope())

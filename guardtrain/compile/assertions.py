@@ -105,6 +105,9 @@ class Recorded(tuple):  # type: ignore[type-arg]
     """What one compile's guards asserted (a tuple of :class:`Assertion`), with room for
     its generated checks (:func:`~guardtrain.compile.fastcheck.entry_checks`)."""
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Recorded, (tuple(self),))  # a copy or pickle leaves the checks behind
+
 
 _LOCAL = re.compile(r"L\[['\"](\w+)['\"]\]")
 
