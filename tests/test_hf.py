@@ -711,37 +711,40 @@ def test_deepspeed_switches_guardtrain_off(tmp_path: Path, monkeypatch: pytest.M
 # -- DDP through accelerate --------------------------------------------------------------------
 
 
+def two_processes(script: str, out: Path, *extra: str, path: str = "") -> list[dict[str, Any]]:
+    """``tests/ddp_scripts/<script>`` on 2 CPU processes (``torchrun --standalone``: a free
+    port); each rank's JSON result (``OUT.rank{r}.json``). ``path``: one more folder on
+    ``PYTHONPATH``."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests" / "ddp_scripts" / script),
+        "--out",
+        str(out),
+        *extra,
+    ]
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), path, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
+    env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's accelerator, if it is imported
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_two_processes_through_accelerate(tmp_path: Path) -> None:
-    script = REPO / "tests" / "ddp_scripts" / "hf_run.py"
-
-    def launch(name: str, *extra: str) -> dict[str, Any]:
-        out = tmp_path / f"{name}.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(29600 + (os.getpid() % 200) + (1 if extra else 0)),
-            str(script),
-            "--out",
-            str(out),
-            *extra,
-        ]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-        return json.loads(out.read_text())
-
-    eager = launch("eager")
-    guarded = launch("guarded", "--guard", "aggressive")
-    assert guarded["world_size"] == 2
-    assert guarded["losses"] == eager["losses"]
-    assert guarded["weights"] == eager["weights"]
-    s = guarded["summary"]
+    eager_ranks = two_processes("hf_run.py", tmp_path / "eager")
+    guarded_ranks = two_processes("hf_run.py", tmp_path / "guarded", "--guard", "aggressive")
+    for e, g in zip(eager_ranks, guarded_ranks):  # each rank against the eager run's
+        assert g["world_size"] == 2
+        assert g["losses"] == e["losses"]
+        assert g["weights"] == e["weights"]
+    s = guarded_ranks[0]["summary"]
     assert s["phases"]["train"] == "steady"
     assert s["steady_steps"] >= 0.8 * (STEPS - 4)
 
@@ -760,27 +763,10 @@ def test_fsdp2_two_processes_through_accelerate(tmp_path: Path) -> None:
     bitwise equal (``aot_eager``, dropout on); install_free_tensors off, naming the plugin;
     turbo refused with one warning on the main process; the stance on for the training
     forwards after warm-up, also across the epoch boundary at forward 16."""
-    script = REPO / "tests" / "ddp_scripts" / "hf_fsdp_run.py"
     plugin = "accelerate's FSDP (FullyShardedDataParallelPlugin, fsdp_version 2)"
 
     def launch(name: str, *extra: str) -> list[dict[str, Any]]:
-        out = tmp_path / name
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",  # a free port: no clash with other runs on the machine
-            "--nproc_per_node",
-            "2",
-            str(script),
-            "--out",
-            str(out),
-            *extra,
-        ]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-        return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+        return two_processes("hf_fsdp_run.py", tmp_path / name, *extra)
 
     eager = launch("eager")
     assert [e["distributed_type"] for e in eager] == ["FSDP", "FSDP"]
@@ -836,30 +822,9 @@ def test_deepspeed_two_processes_switch_guardtrain_off(tmp_path: Path) -> None:
     no hooks, no targets, no compile, and the losses of the run without it."""
     if not (DEEPSPEED / "deepspeed").is_dir():
         pytest.skip(f"deepspeed is not installed in {DEEPSPEED} (scripts/setup.sh)")
-    script = REPO / "tests" / "ddp_scripts" / "hf_deepspeed_run.py"
 
     def launch(name: str, *extra: str) -> list[dict[str, Any]]:
-        out = tmp_path / name
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",  # a free port: no clash with other runs on the machine
-            "--nproc_per_node",
-            "2",
-            str(script),
-            "--out",
-            str(out),
-            *extra,
-        ]
-        path = os.pathsep.join(
-            filter(None, [str(REPO), str(DEEPSPEED), os.environ.get("PYTHONPATH")])
-        )
-        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-        env.setdefault("DS_ACCELERATOR", "cpu")
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-        return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+        return two_processes("hf_deepspeed_run.py", tmp_path / name, *extra, path=str(DEEPSPEED))
 
     plain = launch("plain")
     guarded = launch("guarded", "--guard", "aggressive")

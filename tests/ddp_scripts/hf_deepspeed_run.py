@@ -11,18 +11,10 @@ and the guardtrain warnings it got. Nothing here imports pytest or the test suit
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import warnings
-from pathlib import Path
-from typing import Any
 
-import torch
-from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
-
-from guardtrain import GuardTrainerCallback
-from guardtrain.bench.hf_data import Tokens, pad, tiny_gpt2_config
+import hf_common as common
 
 ZERO2 = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -34,45 +26,13 @@ ZERO2 = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--guard", default=None)
-    parser.add_argument("--steps", type=int, default=6)
-    opts = parser.parse_args()
-    torch.set_num_threads(1)
-    set_seed(0)
-    model = GPT2LMHeadModel(tiny_gpt2_config())
-    callbacks: list[Any] = []
-    if opts.guard:
-        callbacks.append(
-            GuardTrainerCallback(
-                opts.guard, compile_kwargs={"backend": "aot_eager"}, warmup_steps=2
-            )
-        )
+    opts = common.options(steps=6)
+    model = common.model()
+    callbacks = common.callbacks(opts.guard, warmup_steps=2, stable_steps=None)
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        args = TrainingArguments(
-            out,
-            max_steps=opts.steps,
-            per_device_train_batch_size=4,
-            learning_rate=1e-3,
-            logging_steps=1,
-            report_to=[],
-            save_strategy="no",
-            use_cpu=True,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            seed=0,
-            ddp_backend="gloo",
-            deepspeed=ZERO2,
-        )
-        trainer = Trainer(
-            model=model,
-            args=args,
-            train_dataset=Tokens(64, 0),
-            data_collator=pad,
-            callbacks=callbacks,
-        )
+        args = common.training_args(out, opts.steps, deepspeed=ZERO2)
+        trainer = common.trainer(model, args, 64, callbacks)
         trainer.train()
     state = trainer.accelerator.state
     cb = callbacks[0] if callbacks else None
@@ -82,7 +42,7 @@ def main() -> None:
         "distributed_type": str(state.distributed_type.value),
         "zero_stage": getattr(getattr(state, "deepspeed_plugin", None), "zero_stage", None),
         "model_class": type(trainer.model_wrapped).__name__,
-        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "losses": common.losses(trainer),
         "switched_off": cb.switched_off if cb else None,
         "summary": cb.summary() if cb else None,
         "hooks": [
@@ -91,7 +51,7 @@ def main() -> None:
         ],
         "warnings": [str(w.message) for w in caught if "guardtrain" in str(w.message)],
     }
-    Path(f"{opts.out}.rank{result['rank']}.json").write_text(json.dumps(result, default=str))
+    common.write(opts.out, result)
 
 
 if __name__ == "__main__":

@@ -21,19 +21,13 @@ and the guardtrain warnings it got. Nothing here imports pytest or the test suit
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import tempfile
 import warnings
-from pathlib import Path
 from typing import Any
 
+import hf_common as common
 import torch
-from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
-
-from guardtrain import GuardTrainerCallback
-from guardtrain.bench.hf_data import Tokens, pad, tiny_gpt2_config
 
 
 def stance_on() -> bool:
@@ -67,24 +61,9 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--guard", default=None)
-    parser.add_argument("--steps", type=int, default=24)
-    opts = parser.parse_args()
-    torch.set_num_threads(1)
-    set_seed(0)
-    model = GPT2LMHeadModel(tiny_gpt2_config())
-    callbacks: list[Any] = []
-    if opts.guard:
-        callbacks.append(
-            GuardTrainerCallback(
-                opts.guard,
-                compile_kwargs={"backend": "aot_eager"},
-                warmup_steps=4,
-                stable_steps=2,
-            )
-        )
+    opts = common.options(steps=24)
+    model = common.model()
+    callbacks = common.callbacks(opts.guard)
     stance: list[bool] = []
 
     def probe(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -93,34 +72,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        args = TrainingArguments(
-            out,
-            max_steps=opts.steps,
-            per_device_train_batch_size=4,
-            learning_rate=1e-3,
-            logging_steps=1,
-            report_to=[],
-            save_strategy="no",
-            use_cpu=True,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            seed=0,
-            ddp_backend="gloo",
-            fsdp=True,
-            fsdp_config={
-                "version": 2,
-                "reshard_after_forward": True,
-                "transformer_layer_cls_to_wrap": ["GPT2Block"],
-            },
-        )
+        fsdp = {
+            "version": 2,
+            "reshard_after_forward": True,
+            "transformer_layer_cls_to_wrap": ["GPT2Block"],
+        }
+        args = common.training_args(out, opts.steps, fsdp=True, fsdp_config=fsdp)
         stock = force_fsdp_on_the_cpu()
-        trainer = Trainer(
-            model=model,
-            args=args,
-            train_dataset=Tokens(128, 0),
-            data_collator=pad,
-            callbacks=callbacks,
-        )
+        trainer = common.trainer(model, args, 128, callbacks)
         # After the callback's hooks (put on in the Trainer's on_init_end): sees its stance.
         model.register_forward_pre_hook(probe, with_kwargs=True)
         trainer.train()
@@ -133,14 +92,14 @@ def main() -> None:
         "distributed_type": str(state.distributed_type.value),
         "fsdp_version": getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None),
         "model_class": type(trainer.model_wrapped).__name__,
-        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "losses": common.losses(trainer),
         "weights": weights_digest(trainer.model),
         "stance": "".join("1" if s else "0" for s in stance),
         "warnings": [str(w.message) for w in caught if "guardtrain" in str(w.message)],
         "summary": cb.summary() if cb else None,
         "install_free_tensors": cb.engine.levers.install_free_tensors if cb else None,
     }
-    Path(f"{opts.out}.rank{result['rank']}.json").write_text(json.dumps(result, default=str))
+    common.write(opts.out, result)
     # Neither rank leaves while the other is still in a collective.
     import torch.distributed as dist
 
