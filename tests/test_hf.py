@@ -409,12 +409,20 @@ def test_torch_compile_is_taken_over(tmp_path: Path) -> None:
 def test_regional_compilation_maps_to_block_targets(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    eager = trainer_for(tmp_path / "eager", max_steps=12)
+    eager.train()
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "1")
     cb = GuardTrainerCallback("aggressive", warmup_steps=4, stable_steps=2)
     guarded = trainer_for(
-        tmp_path, [cb], torch_compile=True, torch_compile_backend="aot_eager", max_steps=12
+        tmp_path / "guarded",
+        [cb],
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+        max_steps=12,
     )
     guarded.train()
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
     assert "transformer.h.0" in cb.summary()["targets"]
     assert cb.summary()["targets"] == regional_targets(guarded.model)
     # Instances of one block class share one compiled code (H24).
@@ -423,12 +431,17 @@ def test_regional_compilation_maps_to_block_targets(
 
 
 def test_compile_added_after_the_trainer_is_made_is_left_alone(tmp_path: Path) -> None:
+    eager = trainer_for(tmp_path / "eager")
+    eager.train()
     cb = guard()
-    trainer = trainer_for(tmp_path, torch_compile=True, torch_compile_backend="aot_eager")
+    trainer = trainer_for(
+        tmp_path / "compiled", torch_compile=True, torch_compile_backend="aot_eager"
+    )
     trainer.add_callback(cb)
     with pytest.warns(UserWarning, match="does nothing in this run"):
         trainer.train()
     assert cb.summary()["targets"] == []
+    assert losses(trainer) == losses(eager)  # accelerate's own compile, left as it was
 
 
 # -- pitfalls ----------------------------------------------------------------------------------
