@@ -22,7 +22,11 @@ guards whose loss cannot be repaired by a re-check between batches:
 * the values of bool, int, float and str attributes that the compiled code
   reads (H19), so a changed scalar recompiles instead of running a stale
   constant. Under the stance these are skipped like every other guard;
-  guardtrain's change tracking sees the assignment before the next call (H33).
+  guardtrain's change tracking sees the assignment before the next call (H33);
+* the length of a list or tuple that the compiled code reads (``self.active``,
+  whose items pick the blocks that run): a list changed in place is polled per
+  call (:mod:`guardtrain.compile.polled`), and its new length then recompiles an
+  entry beside the old one instead of rebuilding.
 
 The saved-tensor-hooks guard is not in the floor: every compiled call checks
 for active saved-tensor hooks in guardtrain's wrapper instead (H31).
@@ -189,6 +193,7 @@ def _is_nn_module_source(entry: GuardFilterEntry) -> bool:
 
 
 _SCALARS = (bool, int, float, str)
+_LENGTH_GUARDS = frozenset({"SEQUENCE_LENGTH", "LIST_LENGTH", "TUPLE_LENGTH"})
 _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
 
 
@@ -198,6 +203,8 @@ def _floor_keeps(entry: GuardFilterEntry) -> bool:
     if entry.guard_type in STATE_CREATION_GUARD_TYPES and not entry.is_global:
         return True
     if entry.name.endswith(".training"):
+        return True
+    if entry.guard_type in _LENGTH_GUARDS and not entry.is_global:
         return True
     if (
         entry.guard_type in _VALUE_GUARDS

@@ -31,12 +31,13 @@ _GLOBAL_HOOKS = (
 def module_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
     """What guards assume about a module and that a dropped guard would not see.
 
-    Identity, ``requires_grad``, dtype, device and shape of every parameter and
-    buffer, and the hook functions of every submodule and the global module
+    Identity, dtype, device and shape of every parameter and buffer, a buffer's
+    ``requires_grad``, and the hook functions of every submodule and the global module
     hooks. Run at loop and epoch boundaries (it walks the module):
-    ``install_free_tensors`` freezes tensor identity (H3), nn-module guard
-    filters drop ``requires_grad`` and hook guards (H2), and Dynamo does not
-    enforce hook guards by default (``skip_nnmodule_hook_guards``).
+    ``install_free_tensors`` freezes tensor identity (H3), nn-module guard filters drop
+    hook guards (H2), and Dynamo does not enforce hook guards by default
+    (``skip_nnmodule_hook_guards``). A parameter's ``requires_grad`` is not in it: each
+    pattern of those has compiled code of its own (:mod:`guardtrain.compile.grads`, H42).
     """
     # One walk over the submodules, in the order and with the de-duplication of
     # ``named_parameters``, ``named_buffers`` and ``named_modules``. Audits take one
@@ -75,7 +76,9 @@ def _tensor_rows(
         if t is None or id(t) in seen:
             continue
         seen.add(id(t))
-        into.append((kind, dot + key, id(t), t.requires_grad, t.dtype, t.device, tuple(t.shape)))
+        # A parameter's requires_grad picks its code's variant instead (H42).
+        grad = t.requires_grad if kind == "buffer" else None
+        into.append((kind, dot + key, id(t), grad, t.dtype, t.device, tuple(t.shape)))
 
 
 def _hook_row(prefix: str, sub: nn.Module) -> tuple[Any, ...]:

@@ -12,9 +12,11 @@ Example::
 No callback event of the ``Trainer`` gets the batch, ``on_step_begin`` fires once per
 optimizer step, and there is no evaluation-start or exception event. The callback
 therefore brackets every call of the root model with a forward pre-hook and a forward
-hook (``always_call=True``): the pre-hook tells the engine a batch starts (and sets the
-stance when the loop is steady), the hook lifts the stance again, also when the forward
-raises. The stance is never set outside a forward call.
+hook (``always_call=True``): the pre-hook tells the engine a batch starts, the hook that
+it ended (unless the forward raised). As in every adapter, torch's stance is set only
+around a target's own compiled call, by that call (H41): the loss, the optimizer step,
+the Trainer's and other callbacks' code and any other compiled function run with full
+guards.
 
 The same engine as :class:`~guardtrain.GuardTuneCallback` (Lightning) and
 :class:`~guardtrain.GuardTuner`, with the same keyword arguments. What is
@@ -26,9 +28,9 @@ different in the ``Trainer`` (H38):
   ``stable_steps`` and ``audit_every`` count these calls, so with gradient
   accumulation they count micro-batches. The batch signature is that of the
   call's arguments (dynamic padding keeps the stance as H26 describes).
-* **The stance is set only inside a forward call.** The pre-hook sets it when the
-  loop is steady, the hook lifts it when the call returns or raises: an exception
-  anywhere in a step (a callback's, say) leaves the stance off.
+* **The stance is set only inside a target's compiled call** (H41), by that call, and
+  put back when it returns or raises: an exception anywhere in a step (a callback's,
+  say) finds it off.
 * **Loops.** Calls in training mode belong to training (``train()`` is the run;
   each epoch is a pass), calls in evaluation mode to ``"validate"``: evaluation
   inside ``train()``, and a standalone ``evaluate()`` or ``predict()``, which is a
@@ -99,7 +101,7 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
     A forward pre-hook and an always-called forward hook on the model bracket every
     ``model(**inputs)``: each call is one batch of the engine (``warmup_steps``,
     ``stable_steps`` and ``audit_every`` count calls), and the stance is set only
-    inside a call. Default targets: the base model and the head. The Trainer's own
+    around a target's own compiled call (H41). Default targets: the base model and the head. The Trainer's own
     compile (``torch_compile=True``) is taken over when the Trainer is made. The
     rules are in this module's docstring and in docs/hf.md.
 
@@ -228,17 +230,14 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         self._current = loop
         self._inside = True
         engine.batch_start(loop, (args, kwargs) if args else kwargs, training)
-        engine.session.resume()
         return None
 
     def _after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self._inside or module is not self._root:
             return None
         self._inside = False
-        engine = self._engine
-        engine.session.pause()
         if sys.exc_info()[0] is None:
-            engine.batch_end(self._current)
+            self._engine.batch_end(self._current)
         return None
 
     # -- runs and passes ---------------------------------------------------------------------

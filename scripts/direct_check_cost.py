@@ -95,7 +95,9 @@ def main() -> None:
             empty = per_call(lambda: None)
             rows = {
                 "call key": per_call(lambda: gc.call_key(xs, {})),
-                "outside state (stance, callback, modes, hooks)": per_call(gc.outside_state_clear),
+                "outside state (stance, callback, modes, hooks)": per_call(
+                    lambda: gc.outside_state_clear(target.plain_stance)
+                ),
                 "reset check (code in Dynamo's code map)": per_call(
                     lambda: id(direct.code) in live
                 ),

@@ -392,7 +392,11 @@ def _first_line(err: BaseException) -> str:
 
 
 def _stance_on() -> bool:
-    return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+    """The guide's recipes set torch's stance for the process; guardtrain's targets set it
+    around their own compiled calls only (H41), so between calls it is their state."""
+    from guardtrain.compile import steady_now
+
+    return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe) or steady_now()
 
 
 @contextlib.contextmanager

@@ -54,7 +54,7 @@ def _clean_dynamo():
     # uninstalled: put every one back, so that the change tracking's wrappers go (H33).
     from guardtrain.compile import watch
 
-    for target, _, _ in list(watch._targets.values()):
+    for target, *_ in list(watch._targets.values()):
         uninstall = getattr(target, "uninstall", None)
         if uninstall is not None:
             uninstall()

@@ -99,7 +99,9 @@ KINDS = ANYWHERE + BOUNDARY
 #: ``Net.cfg.negate``; ``hook_add``/``hook_remove`` add or remove a doubling forward hook
 #: on the submodule named by the arg (``Scenario.hooked`` starts with some);
 #: ``replace_param`` replaces that submodule's ``bias``; ``sub_mode`` toggles that
-#: submodule's ``training``.
+#: submodule's ``training``; ``user_fn`` sets the weight that the user's own compiled
+#: function, called after each call of the network (between two target calls), is given
+#: (H41: it runs with full guards, never under guardtrain's stance).
 STRICT = (
     "arg_int",
     "arg_float",
@@ -113,6 +115,7 @@ STRICT = (
     "hook_remove",
     "replace_param",
     "sub_mode",
+    "user_fn",
 )
 ALL_KINDS = KINDS + STRICT
 
@@ -261,6 +264,9 @@ class FuzzModule(L.LightningModule):
         self.tainted: str | None = None
         """Set while a boundary-only event applied mid-epoch is not yet at a boundary."""
         self.guard: GuardTuneCallback | None = None
+        self.user_w = 1.0
+        """The weight given to the user's compiled function (``user_fn``)."""
+        self.user_fn = torch.compile(_user_function, backend="aot_eager")
 
     def configure_optimizers(self) -> Any:
         return None
@@ -329,7 +335,7 @@ class FuzzModule(L.LightningModule):
                 f"{compiled_err}); eager did not\n" + self._context_text()
             ) from compiled_err
         assert compiled is not None
-        problem = self._difference(compiled, eager)
+        problem = self._difference(compiled, eager) or self._user_difference(compiled[0], eager[0])
         if problem is None:
             rec.checked += 1
             return
@@ -337,6 +343,15 @@ class FuzzModule(L.LightningModule):
             rec.tolerated.append(f"{where} after {self.tainted}: {problem}")
             return
         raise Divergence(f"{where}: {problem}\n" + self._context_text())
+
+    def _user_difference(self, out: torch.Tensor, ref: torch.Tensor) -> str | None:
+        """The user's own compiled function, called between two target calls with a float
+        that ``user_fn`` changes: it must run with full guards (H41), never stale."""
+        got = self.user_fn(out.detach(), self.user_w)
+        want = _user_function(ref.detach(), self.user_w)
+        if torch.equal(got, want):
+            return None
+        return f"the user's compiled function (w={self.user_w}) differs from eager"
 
     def _grads(self, out: torch.Tensor) -> Any:
         """Gradients of every trainable parameter (None where unused), or None without a graph."""
@@ -472,8 +487,15 @@ class FuzzModule(L.LightningModule):
         elif kind == "sub_mode":
             sub = getattr(net, arg)
             sub.train(not sub.training)
+        elif kind == "user_fn":
+            self.user_w = arg
         else:  # pragma: no cover
             raise ValueError(kind)
+
+
+def _user_function(out: torch.Tensor, w: float) -> torch.Tensor:
+    """The user's own function, compiled by the user (``FuzzModule.user_fn``)."""
+    return out * w + 1.0
 
 
 def _describe(kwargs: dict[str, Any]) -> str:
@@ -560,10 +582,17 @@ def val_batches(sizes: Sequence[int]) -> ListLoader:
     return ListLoader([(torch.randn(n, 4, generator=g),) for n in sizes])
 
 
+def backend(scenario: Scenario) -> str:
+    """``aot_eager`` when the scenario freezes or unfreezes: the eager backend follows
+    ``requires_grad`` at run time and would hide a stale entry (H43); else ``eager``."""
+    kinds = {e.kind for steps in scenario.epochs for step in steps for e in step.events}
+    return "aot_eager" if "freeze" in kinds else "eager"
+
+
 def make_guard(scenario: Scenario, **kwargs: Any) -> GuardTuneCallback:
     kwargs.setdefault("warmup_steps", scenario.warmup_steps)
     kwargs.setdefault("stable_steps", scenario.stable_steps)
-    kwargs.setdefault("compile_kwargs", {"backend": "eager"})
+    kwargs.setdefault("compile_kwargs", {"backend": backend(scenario)})
     kwargs.setdefault("audit_every", scenario.audit_every)
     for key, value in scenario.guard_kwargs:
         kwargs.setdefault(key, value)

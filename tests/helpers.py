@@ -280,8 +280,12 @@ class PhaseSpy(L.Callback):
 
 
 def stance_on() -> bool:
-    """Whether the unsafe stance (``skip_guard_eval_unsafe``) is on now."""
-    return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+    """Whether guardtrain's targets are steady now: each of their calls runs under the
+    stance, which that call sets for itself (H41). Torch's stance is never on between
+    calls (:func:`assert_restored` checks it)."""
+    from guardtrain.compile import steady_now
+
+    return steady_now()
 
 
 def _has_code_parts() -> bool:
@@ -329,6 +333,9 @@ def assert_restored(model: nn.Module | None = None) -> None:
         assert nn.Module.__delattr__ is watch._module_delattr
         assert RemovableHandle.remove is watch._handle_remove
         assert not hasattr(nn.Module.register_forward_hook, "__wrapped__")
+        # The requires_grad events' wrapper and property are gone (H42).
+        assert "requires_grad" not in nn.Parameter.__dict__
+        assert "requires_grad_" not in nn.Parameter.__dict__
     if model is not None:
         for name, module in model.named_modules():
             assert "forward" not in module.__dict__, (

@@ -1,6 +1,7 @@
 """Audits and verify batches: changes inside an epoch that no per-batch or per-call check
-can see. The change here is one the change tracking cannot see (H33): an item of a list
-attribute read in ``forward``, changed in place."""
+can see. The change here is one the change tracking cannot see (H33): an attribute read
+in ``forward``, written with ``object.__setattr__`` (no ``nn.Module.__setattr__`` event,
+and a module's dictionary is not polled)."""
 
 from __future__ import annotations
 
@@ -22,19 +23,19 @@ class Gain(L.LightningModule):
 
     Not :class:`helpers.NetModule`: the second, plain forward of each batch must give
     the same output, so the network has no Dropout (another mask) and no BatchNorm
-    (batch statistics updated twice), and it reads ``self.gains[0]``: Dynamo guards the
-    item's value, the stance skips that guard, and an in-place change of the list
-    passes no ``__setattr__`` (out of reach between checks, H33).
+    (batch statistics updated twice), and it reads ``self.gain``: Dynamo guards its
+    value, the stance skips that guard, and ``object.__setattr__`` passes no
+    ``nn.Module.__setattr__`` (out of reach between checks, H33).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
         self.matches: list[bool] = []
-        self.gains = [1.0]
+        self.gain = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x) * self.gains[0]
+        return self.net(x) * self.gain
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -50,7 +51,7 @@ class Gain(L.LightningModule):
 
 class SetGain(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
-        pl_module.gains[0] = 2.0 if trainer.global_step >= CHANGE_AT else 1.0
+        object.__setattr__(pl_module, "gain", 2.0 if trainer.global_step >= CHANGE_AT else 1.0)
 
 
 def run(**kwargs: Any) -> tuple[Gain, GuardTuneCallback]:
@@ -65,13 +66,13 @@ def stale_steps(model: Gain) -> list[int]:
 
 
 def test_without_audits_the_stance_stays_stale() -> None:
-    """What the audits are for: nothing else notices the list item changed."""
+    """What the audits are for: nothing else notices the attribute changed."""
     model, cb = run(audit_every=None)
     assert cb.summary()["steady_steps"] > CHANGE_AT
     assert stale_steps(model) == list(range(CHANGE_AT, 30))
 
 
-def test_audit_batch_catches_a_list_item_changed_in_place() -> None:
+def test_audit_batch_catches_an_attribute_written_past_setattr() -> None:
     model, cb = run(audit_every=4)
     stale = stale_steps(model)
     assert len(stale) <= 4 and all(i >= CHANGE_AT for i in stale), stale
@@ -79,7 +80,7 @@ def test_audit_batch_catches_a_list_item_changed_in_place() -> None:
     reasons = [r["reason"] for r in cb.summary()["rearms"]]
     # The audit's re-check of the recorded guards names the item (the audit batch with
     # full guards would compile for it too).
-    assert any("self.gains[0]: 1.0 -> 2.0" in r for r in reasons), reasons
+    assert any("self.gain: 1.0 -> 2.0" in r for r in reasons), reasons
 
 
 def test_verify_batch_catches_a_difference_from_eager() -> None:

@@ -11,6 +11,7 @@ import torch
 from helpers import Net, assert_restored
 from torch import nn
 
+from guardtrain.compile.stances import NO_STANCE
 from guardtrain.engine import decisions, summary
 from guardtrain.engine.agreement import ReduceAgreement, SingleProcess, TorchDistributed
 from guardtrain.engine.config import make_config
@@ -91,11 +92,14 @@ def test_loop_and_phase_enums_are_their_strings() -> None:
 def test_session_saves_sets_and_restores() -> None:
     cfg = torch._dynamo.config
     before = cfg.install_free_tensors
+    plain = torch._dynamo.eval_frame._stance
     session = StanceSession("test")
     session.begin()
     session.set_config("install_free_tensors", not before)
-    assert session.set_stance(True) and stance_is_unsafe()
-    assert not session.set_stance(True)  # no change, no second call
+    # The session hands out the stance values; it never sets the stance itself (H41).
+    assert session.stances.plain is plain and not stance_is_unsafe()
+    assert session.stances.unsafe.skip_guard_eval_unsafe
+    assert session.stances.unsafe.stance == plain.stance
     session.restore()
     assert not stance_is_unsafe() and cfg.install_free_tensors is before
     torch.compiler.set_stance(skip_guard_eval_unsafe=True)
@@ -104,6 +108,17 @@ def test_session_saves_sets_and_restores() -> None:
             StanceSession("test").begin()
     finally:
         torch.compiler.set_stance("default")
+
+
+def test_a_stance_the_user_set_is_never_replaced() -> None:
+    """Under ``force_eager`` or ``fail_on_recompile`` the session has no stance to replace:
+    steady calls run under the user's stance (NO_STANCE never matches torch's)."""
+    for name in ("force_eager", "fail_on_recompile"):
+        with torch.compiler.set_stance(name):
+            session = StanceSession("test")
+            session.begin()
+            assert session.stances.plain is NO_STANCE and session.stances.unsafe is None
+            session.restore()
 
 
 def test_agreements() -> None:

@@ -27,7 +27,6 @@ from helpers import (
     compare,
     fit,
     guard_without_lookup,
-    stance_on,
 )
 from torch import nn
 
@@ -37,6 +36,7 @@ from guardtrain import (
     GuardTrainValueError,
     GuardTuneCallback,
 )
+from guardtrain.engine.session import stance_is_unsafe
 
 
 def _lm_compiled(m: NetModule) -> Any:
@@ -228,7 +228,7 @@ def test_unsafe_stance_set_before_fit_is_refused() -> None:
     try:
         with pytest.raises(GuardTrainRuntimeError, match="already set when the run starts"):
             fit(model, [guard_without_lookup()], max_epochs=1)
-        assert stance_on()  # the caller's stance is left as it was
+        assert stance_is_unsafe()  # the caller's stance is left as it was
     finally:
         torch.compiler.set_stance("default")
     assert_restored(model)

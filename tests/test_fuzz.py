@@ -113,6 +113,7 @@ ARGS: dict[str, tuple[Any, ...]] = {
     "hook_remove": ("lin2", "drop", "lin1"),
     "replace_param": ("lin2", "bn", "lin1"),  # the bias, plus 0.125
     "sub_mode": ("drop", "bn"),
+    "user_fn": (0.5, 2.0, 1.0),  # the user's compiled function's weight (H41)
 }
 HOOKED = ("lin2", "drop", "lin1")
 

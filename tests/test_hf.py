@@ -370,7 +370,10 @@ def test_exception_in_forward_leaves_the_stance_off(tmp_path: Path) -> None:
     trainer = trainer_for(tmp_path, [cb], model=tiny_model(cls=_RaisesInForward))
     with pytest.raises(RuntimeError, match="inside forward"):
         trainer.train()
-    assert _RaisesInForward.seen == [True]  # the stance was on inside the forward
+    # Steady when it raised, and the stance only ever inside the targets' own compiled
+    # calls (H41): off in the root's forward after them.
+    assert cb.phase == "steady"
+    assert _RaisesInForward.seen == [False]
     assert not stance_is_unsafe()
     cb.restore()
     assert_put_back(cb, trainer.model)
@@ -608,6 +611,77 @@ def test_compute_loss_override_and_a_changed_keyword(tmp_path: Path) -> None:
     s = cb.summary()
     assert s["phases"]["train"] == "steady"
     assert s["steady_steps"] > 0
+
+
+def _compiled_step_optimizers(model: Any, compiled: bool) -> tuple[Any, Any]:
+    """An ``optimizers=`` pair whose ``step`` is the user's own compile (H41): PyTorch's
+    compiled-optimizer recipe, Adam with a scheduler."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, total_iters=STEPS // 2)
+    if compiled:
+        opt.step = torch.compile(opt.step, backend="aot_eager")  # type: ignore[method-assign]
+    return opt, sched
+
+
+@pytest.mark.parametrize("preset", ["off", "safe", "balanced", "aggressive", "turbo"])
+def test_a_compiled_optimizer_step_runs_with_full_guards(tmp_path: Path, preset: str) -> None:
+    """The user's compiled optimizer step runs with full guards under every preset: equal
+    to the same compiled step without guardtrain, and close to an uncompiled optimizer
+    (Dynamo's Adam rounds differently from eager's)."""
+
+    def run(cbs: list[Any], compiled: bool, name: str) -> Any:
+        model = tiny_model()
+        trainer = trainer_for(
+            tmp_path / name,
+            cbs,
+            model=model,
+            eval_n=0,
+            trainer_kwargs={"optimizers": _compiled_step_optimizers(model, compiled)},
+        )
+        trainer.train()
+        return trainer
+
+    cb = guard(preset)
+    guarded = run([cb], True, "guarded")
+    plain = run([], True, "plain")
+    eager = run([], False, "eager")
+    assert losses(guarded) == losses(plain)
+    assert_same_weights(guarded.model, plain.model)
+    torch.testing.assert_close(losses(guarded), losses(eager), rtol=1e-4, atol=1e-5)
+    if cb.settings.use_stance:
+        assert cb.summary()["phases"]["train"] == "steady"
+        assert steady_share(cb) >= 0.8
+
+
+class _CompiledLoss(Trainer):
+    """A ``compute_loss`` whose weight is annealed from step 8 on, compiled by the user."""
+
+    calls = 0
+    weighted = staticmethod(
+        torch.compile(lambda loss, w: loss * w, backend="aot_eager", dynamic=False)
+    )
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
+        out = model(**inputs)
+        type(self).calls += 1
+        w = 1.0 if self.calls < 8 else 0.9 ** (self.calls - 7)
+        loss = type(self).weighted(out.loss, w)
+        return (loss, out) if return_outputs else loss
+
+
+def test_a_compiled_loss_with_an_annealed_weight(tmp_path: Path) -> None:
+    """The user's compiled loss reads a new weight on every step from step 8 on: with full
+    guards it recompiles (then takes the weight as an input); never the first value."""
+    _CompiledLoss.calls = 0
+    reference = trainer_for(tmp_path / "plain", cls=_CompiledLoss, max_steps=16)
+    reference.train()
+    _CompiledLoss.calls = 0
+    cb = guard()
+    guarded = trainer_for(tmp_path / "guarded", [cb], cls=_CompiledLoss, max_steps=16)
+    guarded.train()
+    assert losses(guarded) == losses(reference)
+    assert_same_weights(guarded.model, reference.model)
+    assert cb.summary()["phases"]["train"] == "steady"
 
 
 def test_label_smoothing_and_compute_loss_func(tmp_path: Path) -> None:

@@ -233,6 +233,42 @@ class ListScales(Core):
         return self.head(self.features(x) * self.scales[0])
 
 
+class ListBlocks(Core):
+    """``self.active`` (a plain list) selects which blocks run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+        self.active = [0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)
+        for i in self.active:
+            h = torch.tanh(self.blocks[i](h))
+        return self.head(h)
+
+
+class ClassGain(Core):
+    """Reads a class attribute: ``ClassGain.GAIN = 2.0`` is a class-level write."""
+
+    GAIN = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x) * self.GAIN)
+
+
+class InheritedGain(ClassGain):
+    """Reads ``GAIN`` through its base class."""
+
+
+class FrozenFeatures(Core):
+    """``lin`` frozen from the start (a backbone to be unfrozen later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin.requires_grad_(False)
+
+
 def double_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
     return output * 2.0
 
@@ -249,6 +285,7 @@ class Hooked(Core):
 def _restore_globals() -> Any:
     yield
     globals().update(GAIN=1.0, act=_act)
+    ClassGain.GAIN = 1.0
 
 
 # -- the cases -------------------------------------------------------------------------------
@@ -275,6 +312,8 @@ class Case:
     """Read after each step's call (kept as is, not copied)."""
     min_steady: int = 1
     """The stance presets' ``steady_steps`` at least."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """More arguments for the guard (``compile_kwargs``: a backend that shows the change)."""
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -321,6 +360,43 @@ def _remove_hook(net: Hooked, step: int, opt: Any) -> None:
 
 def _accumulated(net: Lazy) -> torch.Tensor:
     return net.acc._acc
+
+
+def _active_blocks(net: ListBlocks, step: int, opt: Any) -> None:
+    """The second block runs in the window: an item appended to the list, then popped."""
+    if changed(step) and len(net.active) == 1:
+        net.active.append(1)
+    elif not changed(step) and len(net.active) == 2:
+        net.active.pop()
+
+
+def _class_gain(net: Any, step: int, opt: Any) -> None:
+    _set(ClassGain, "GAIN", 2.0 if changed(step) else 1.0)
+
+
+def _unfreeze(net: FrozenFeatures, step: int, opt: Any) -> None:
+    """Gradual unfreezing: ``lin`` trains from step CHANGE on (``Module.requires_grad_``)."""
+    if step == CHANGE:
+        net.lin.requires_grad_(True)
+
+
+def _toggle(net: Core, step: int, opt: Any) -> None:
+    """From step CHANGE on, ``out`` is frozen on odd steps (``toggle_optimizer``'s pattern)."""
+    if step >= CHANGE:
+        net.out.requires_grad_(step % 2 == 0)
+
+
+def _freeze_by_tensor_method(net: Core, step: int, opt: Any) -> None:
+    """``torch.Tensor.requires_grad_(p)`` passes no event: caught at the batch's first call."""
+    if step in (CHANGE, BACK):
+        torch.Tensor.requires_grad_(net.lin.weight, step == BACK)
+
+
+#: aot_eager: the eager backend follows requires_grad at run time and hides a stale entry (H43).
+AOT = {"compile_kwargs": {"backend": "aot_eager"}}
+#: With an audit (or a boundary) between a freeze and an unfreeze, code compiled for the
+#: frozen state is the one in place when the layer is unfrozen.
+AOT_AUDITS = {**AOT, "audit_every": 4}
 
 
 ARGUMENTS = [
@@ -373,6 +449,26 @@ STATE = [
     Case("config-field", Configured, change=lambda n, s, o: _set(n.cfg, "flag", changed(s))),
     Case("submodule-eval", Core, change=_submodule_mode),
     Case("parameter-replaced", Core, change=_replace_weight),
+    Case(
+        "list-item-in-place",
+        ListScales,
+        change=lambda n, s, o: n.scales.__setitem__(0, 2.0 if changed(s) else 1.0),
+    ),
+    Case("list-append", ListBlocks, change=_active_blocks),
+    Case("class-attribute", ClassGain, change=_class_gain),
+    Case("class-attribute-inherited", InheritedGain, change=_class_gain),
+]
+
+REQUIRES_GRAD = [
+    Case("requires-grad-unfrozen", FrozenFeatures, change=_unfreeze, options=AOT),
+    Case(
+        "requires-grad-frozen-then-unfrozen",
+        Core,
+        change=lambda n, s, o: _set(n.lin.weight, "requires_grad", not changed(s)),
+        options=AOT_AUDITS,
+    ),
+    Case("requires-grad-toggled-every-step", Core, change=_toggle, options=AOT_AUDITS),
+    Case("requires-grad-tensor-method", Core, change=_freeze_by_tensor_method, options=AOT_AUDITS),
 ]
 
 LAZY = [
@@ -393,7 +489,7 @@ GLOBAL_FUNCTIONS = [
     ),
 ]
 
-CASES = ARGUMENTS + STATE + LAZY + HOOKS + GLOBAL_FUNCTIONS
+CASES = ARGUMENTS + STATE + REQUIRES_GRAD + LAZY + HOOKS + GLOBAL_FUNCTIONS
 BY_ID = {c.id: c for c in CASES}
 QUIET = Case("nothing-changes", Core)
 
@@ -409,8 +505,18 @@ class Run:
     outputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
     stance: list[bool] = dataclasses.field(default_factory=list)
     probes: list[Any] = dataclasses.field(default_factory=list)
+    grads: list[tuple[bool, ...]] = dataclasses.field(default_factory=list)
+    """Per step, which parameters got a gradient (before the optimizer step)."""
+    steps: list[list[torch.Tensor]] = dataclasses.field(default_factory=list)
+    """Per step, the weights after the optimizer step."""
     weights: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     summary: dict[str, Any] | None = None
+
+    def after_backward(self, net: nn.Module) -> None:
+        self.grads.append(tuple(p.grad is not None for p in net.parameters()))
+
+    def after_step(self, net: nn.Module) -> None:
+        self.steps.append([p.detach().clone() for p in net.parameters()])
 
 
 def one_step(
@@ -441,6 +547,12 @@ class Host(L.LightningModule):
         opt = self.trainer.optimizers[0]
         return one_step(self.case, self.net, opt, batch_idx, batch, self.record)
 
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.record.after_backward(self.net)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.record.after_step(self.net)
+
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
@@ -452,7 +564,7 @@ def run_trainer(case: Case, preset: str | None, lookup: bool = False, **kwargs: 
     callbacks = []
     if preset is not None:
         make = guard if lookup else guard_without_lookup
-        callbacks.append(make(preset, **{**WARMUP, **kwargs}))
+        callbacks.append(make(preset, **{**WARMUP, **case.options, **kwargs}))
     fit(model, callbacks, data=DATA, max_epochs=1, limit_val_batches=0)
     run = model.record
     run.weights = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
@@ -470,14 +582,17 @@ def run_tuner(case: Case, preset: str | None, lookup: bool = False, **kwargs: An
     run = Run()
     tuner = None
     if preset is not None:
-        tuner = guard_tuner(net, preset, measure_lookup=lookup, **{**WARMUP, **kwargs})
+        options = {**WARMUP, **case.options, **kwargs}
+        tuner = guard_tuner(net, preset, measure_lookup=lookup, **options)
     torch.manual_seed(1)
     with tuner if tuner is not None else contextlib.nullcontext():
         for step, batch in enumerate(batches):
             with tuner.step(batch) if tuner is not None else contextlib.nullcontext():
                 loss = one_step(case, net, opt, step, batch, run)
                 loss.backward()
+                run.after_backward(net)
                 opt.step()
+                run.after_step(net)
                 opt.zero_grad()
     run.weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
     if tuner is not None:
@@ -505,6 +620,18 @@ def assert_same_as_eager(case: Case, eager: Run, got: Run) -> None:
     assert len(got.outputs) == len(eager.outputs) == BATCHES
     stale = [i for i, (a, b) in enumerate(zip(eager.outputs, got.outputs)) if not torch.equal(a, b)]
     assert not stale, f"{case.id}: outputs differ from eager at steps {stale}"
+    grads = [i for i, (a, b) in enumerate(zip(eager.grads, got.grads)) if a != b]
+    assert len(got.grads) == len(eager.grads) == BATCHES and not grads, (
+        f"{case.id}: other parameters got a gradient than in eager at steps {grads}"
+    )
+    after = [
+        i
+        for i, (a, b) in enumerate(zip(eager.steps, got.steps))
+        if not all(torch.equal(u, v) for u, v in zip(a, b))
+    ]
+    assert len(got.steps) == len(eager.steps) == BATCHES and not after, (
+        f"{case.id}: weights differ from eager after steps {after}"
+    )
     assert list(got.weights) == list(eager.weights)
     for key, value in eager.weights.items():
         assert torch.equal(value, got.weights[key]), f"{case.id}: weights differ at {key}"
@@ -546,22 +673,6 @@ def test_a_mid_epoch_change_matches_eager(adapter: str, preset: str, case: Case)
 NO_AUDITS = {"audit_every": 10_000}
 
 OUT_OF_REACH = [
-    pytest.param(
-        Case(
-            "list-item-in-place",
-            ListScales,
-            change=lambda n, s, o: n.scales.__setitem__(0, 2.0 if changed(s) else 1.0),
-        ),
-        STANCE_PRESETS,
-        id="list-item-in-place",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="in-place mutation of a list attribute (self.scales[0] = 2.0) goes through "
-            "no __setattr__: stale under the stance until the next audit (audit_every "
-            "batches) or loop boundary",
-        ),
-    ),
     pytest.param(
         Case(
             "object-setattr",
@@ -657,7 +768,12 @@ def test_every_change_changes_what_eager_computes() -> None:
         differs = [
             i for i, (a, b) in enumerate(zip(eager.outputs, plain.outputs)) if not torch.equal(a, b)
         ]
-        assert differs and differs[0] == CHANGE, (case.id, differs)
+        # A requires_grad flip changes the gradient of its step, so the output from the
+        # next step on (the toggle's first flip that matters is at CHANGE + 1).
+        first = CHANGE
+        if case in REQUIRES_GRAD:
+            first = CHANGE + (2 if case.id == "requires-grad-toggled-every-step" else 1)
+        assert differs and differs[0] == first, (case.id, differs)
 
 
 # -- what summary() reports (item 6) ---------------------------------------------------------

@@ -2,9 +2,10 @@
 
 The presets get their levers from the engine (:func:`preset_levers`: a
 :class:`~guardtrain.engine.engine.GuardEngine` set up for this torch, exactly as
-the callback's run would be); the stance and Dynamo's config values go
-through a :class:`~guardtrain.engine.session.StanceSession`, switched on only
-while the configuration runs; what blocks the stance is
+the callback's run would be); Dynamo's config values go through a
+:class:`~guardtrain.engine.session.StanceSession`, switched on only while the
+configuration runs, and each steady call sets the stance around its own compiled
+call (H41), as in a run; what blocks the stance is
 :func:`guardtrain.engine.decisions.blocker`. Only the references are the
 bench's own: ``eager`` (no compile), ``compile`` (``torch.compile``'s
 defaults) and the unsound ``floor``.
@@ -126,6 +127,7 @@ class Runner:
         self.call: Callable[..., Any] = self.module
         self.targets: list[CompiledTarget] = []
         self.session = StanceSession(OWNER)
+        self.stance_on = False
         self.config_values: dict[str, Any] = {}
         self.switched_off: list[dict[str, str]] = []
         self.use_stance = False
@@ -183,9 +185,13 @@ class Runner:
         return not target.graph_breaks
 
     def _set_stance(self, on: bool) -> None:
-        if self.session.set_stance(on):
-            for target in self.targets:
-                target.set_under_stance(on)
+        """The steady state on or off for this configuration's targets (each steady call
+        sets the stance around its own compiled call, H41)."""
+        if on == self.stance_on:
+            return
+        self.stance_on = on
+        for target in self.targets:
+            target.set_under_stance(on, self.session.stances)
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -327,9 +333,9 @@ class EngineRunner(Runner):
     batch of the engine (``batch_start`` / ``batch_end``) with the model's input as
     the batch; the engine decides warm-up, entry and re-arms (``warmup_steps=2``,
     ``stable_steps=1``). Audits are off (``audit_every=None``): an audit batch runs
-    with full guards, which a window of steady calls must not mix in. Between its
-    turns the stance is switched off for the other configurations
-    (``engine.session``), the engine's own state untouched.
+    with full guards, which a window of steady calls must not mix in. The stance is
+    set only inside the targets' own steady calls (H41), so the other configurations
+    between its turns run with full guards, the engine's own state untouched.
     """
 
     WARMUP_STEPS = 2
@@ -357,7 +363,6 @@ class EngineRunner(Runner):
         self.config_values = self.engine.config_values()
         self.use_stance = self.engine.levers.use_stance
         self._rearms_seen = 0
-        self._stance_paused = False
         self.warmup_rearms: list[str] = []
         self.warmup_batches = 0
         self.measured_phase: str | None = None
@@ -371,24 +376,18 @@ class EngineRunner(Runner):
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """One training batch of the engine, with its Dynamo config and stance."""
+        """One training batch of the engine, with its Dynamo config."""
         engine = self.engine
         cfg = torch._dynamo.config
         saved = {key: getattr(cfg, key) for key in self.config_values}
         before = _frames()
         for key, value in self.config_values.items():
             setattr(cfg, key, value)
-        if self._stance_paused:
-            self._stance_paused = False
-            engine.session.set_stance(True)
         engine.batch_start(_TRAIN, self.args, self.module.training)
         try:
             yield
         finally:
             engine.batch_end(_TRAIN)
-            if engine.session.stance_on:  # the other configurations run with full guards
-                engine.session.set_stance(False)
-                self._stance_paused = True
             for key, value in saved.items():
                 setattr(cfg, key, value)
             done = _frames() - before

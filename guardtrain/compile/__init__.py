@@ -8,7 +8,10 @@ Rooms (each file's first docstring line says what it is for):
   (:mod:`guardtrain.engine.breaks` uses them);
 * ``call_mode``: the per-call mode and argument keys (``call_key``), the
   dispatch-mode and outside-state checks;
-* ``watch``: change tracking between calls (events for modules, versions for dicts);
+* ``stances``: the two stance values a steady call writes around its compiled call (H41);
+* ``watch``: change tracking between calls (events for modules, parameters and hooks);
+* ``polled``: what a steady call compares (dictionary versions, list contents, H33);
+* ``grads``: the parameters' ``requires_grad`` pattern, and code per pattern (H42);
 * ``assertions``: what a compile's guards asserted, recorded and re-checked;
 * ``code``: compiled code for one target or a group of identical blocks
   (``TargetCode``, ``structure_key``, ``share_groups``);
@@ -38,6 +41,9 @@ from guardtrain.compile.call_mode import (
 )
 from guardtrain.compile.code import TargetCode, share_groups, structure_key
 from guardtrain.compile.direct import DIRECT_LIMIT, DirectEntry, direct_supported, live_codes
+from guardtrain.compile.grads import describe as grad_change
+from guardtrain.compile.grads import moved as grad_moved
+from guardtrain.compile.grads import use_variant as use_grad_variant
 from guardtrain.compile.miss import Miss, MissReason
 from guardtrain.compile.options import (
     COMPILE_KWARGS,
@@ -48,7 +54,7 @@ from guardtrain.compile.options import (
 )
 from guardtrain.compile.resolve import resolve_targets
 from guardtrain.compile.takeover import TakeOver, take_over_compiled
-from guardtrain.compile.target import CompiledTarget
+from guardtrain.compile.target import CompiledTarget, steady_now
 
 __all__ = [
     "COMPILE_KWARGS",
@@ -67,6 +73,8 @@ __all__ = [
     "check_compile_kwargs",
     "direct_supported",
     "dispatch_mode_active",
+    "grad_change",
+    "grad_moved",
     "guard_code",
     "is_stance_miss",
     "live_codes",
@@ -74,7 +82,9 @@ __all__ = [
     "plain_attributes",
     "resolve_targets",
     "share_groups",
+    "steady_now",
     "structure_key",
     "take_over_compiled",
+    "use_grad_variant",
     "user_path",
 ]

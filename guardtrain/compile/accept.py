@@ -2,7 +2,10 @@
 
 The stance evaluates only the guards that tell entries apart (their *diff* guards).
 These checks find the entry the stance would run, as the stance does, and evaluate
-its full guard manager on the call: what Dynamo checks without the stance.
+its full guard manager on the call: what Dynamo checks without the stance. When the
+stance's entry refuses a call that another entry accepts (an entry per autocast
+state, H44), that call runs with full guards (:data:`FULL_GUARDS`) and the loop stays
+steady; only a call that no entry accepts leaves the stance (:data:`MISSED`).
 """
 
 from __future__ import annotations
@@ -14,12 +17,31 @@ from guardtrain.compile.state import TargetState
 from guardtrain.compile.trampoline import cache_entry_list
 from guardtrain.guardcheck import check as _guard_check
 
-__all__ = ["ACCEPT_LIMIT", "accepts", "admit", "stance_choice"]
+__all__ = [
+    "ACCEPT_LIMIT",
+    "ADMITTED",
+    "FULL_GUARDS",
+    "MISSED",
+    "accepting_entry",
+    "accepts",
+    "admit",
+    "remember_full_guards",
+    "stance_choice",
+]
 
 ACCEPT_LIMIT = 64
 """Argument keys remembered per mode as accepted (:func:`admit`); past it the set starts
 again (an argument that takes a new value every call, and that Dynamo's stance does
 not check itself, is then checked on every call)."""
+
+
+ADMITTED = "admitted"
+"""A verdict of :func:`admit`: the call runs under the stance."""
+FULL_GUARDS = "full guards"
+"""A verdict of :func:`admit`: an entry accepts the call, but not the one the stance would
+pick: the call runs with full guards (turbo: directly), the loop stays steady."""
+MISSED = "missed"
+"""A verdict of :func:`admit`: no entry accepts the call; it leaves the stance."""
 
 
 def stance_choice(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -58,45 +80,91 @@ def accepts(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return True
 
 
-def admit(
+def accepting_entry(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``(entry, number of entries)`` for the first cache entry of the root code whose
+    guard manager accepts a call with these arguments (Dynamo's choice with full
+    guards, in cache order), or None."""
+    if cache_entry_list is None:
+        return None
+    scope = target.call_scope(args, kwargs)
+    entries = cache_entry_list(target.code.trampoline)
+    for entry in entries:
+        manager = getattr(entry, "guard_manager", None)
+        if manager is not None and _guard_check(manager, scope):
+            return entry, len(entries)
+    return None
+
+
+def remember_full_guards(
     target: TargetState,
     mode: CallMode,
     key: tuple[Any, ...],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> bool:
-    """Whether a call whose argument key differs from the last call's may run under
-    the stance: its key (or its key with the values the stance checks itself masked)
-    was accepted before, or the entry the stance would pick accepts it with full
-    guards now. The stance evaluates only the guards that tell entries apart, so a
-    plain argument (an int, a flag, ``None`` for a tensor, a keyword) that no entry
-    was compiled against otherwise runs a stale entry."""
+    """Whether some entry accepts this call with full guards; if so, calls of this mode
+    and key run with full guards from now on (until the entries change), without
+    leaving the steady state (H44)."""
+    if accepting_entry(target, args, kwargs) is None:
+        return False
+    full = target.full_keys.setdefault(mode, set())
+    if len(full) >= ACCEPT_LIMIT:
+        full.clear()
+    full.add(key)
+    return True
+
+
+def admit(
+    target: TargetState,
+    mode: CallMode,
+    key: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> str:
+    """How a call whose argument key differs from the last call's runs in the steady
+    state: :data:`ADMITTED` (under the stance) when its key (or its key with the values
+    the stance checks itself masked) was accepted before, or the entry the stance would
+    pick accepts it with full guards now; :data:`FULL_GUARDS` when another entry accepts
+    it (remembered per key); :data:`MISSED` when none does. The stance evaluates only
+    the guards that tell entries apart, so a plain argument (an int, a flag, ``None``
+    for a tensor, a keyword) that no entry was compiled against otherwise runs a stale
+    entry."""
     accepted = target.accepted.setdefault(mode, set())
     if key in accepted:
         target.last_key, target.last_mode = key, mode
-        return True
+        return ADMITTED
     shape = structure(key)
     delegated = target.delegated.get(shape)
     seen_masked = target.accepted_masked.setdefault(mode, set())
     if delegated and masked(key, delegated) in seen_masked:
         target.last_key, target.last_mode = key, mode
-        return True
+        return ADMITTED
+    full = target.full_keys.get(mode)
+    if full is not None and key in full:
+        return FULL_GUARDS
     manager = stance_choice(target, args, kwargs)
     if manager is None:
-        return False
+        return FULL_GUARDS if remember_full_guards(target, mode, key, args, kwargs) else MISSED
     if len(accepted) >= ACCEPT_LIMIT:
         accepted.clear()
         seen_masked.clear()
     accepted.add(key)
     if delegated is None:
-        sources = getattr(manager, "diff_guard_sources", None) or ()
-        delegated = frozenset(
-            i
-            for i, source in enumerate(key_sources(args, kwargs))
-            if source is not None and source in sources and i < len(key) and type(key[i]) is tuple
-        )
-        target.delegated[shape] = delegated
+        delegated = target.delegated[shape] = _delegated(manager, key, args, kwargs)
     if delegated:
         seen_masked.add(masked(key, delegated))
     target.last_key, target.last_mode = key, mode
-    return True
+    return ADMITTED
+
+
+def _delegated(
+    manager: Any, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> frozenset[int]:
+    """The positions of plain values in ``key`` whose guard sources are among the entries'
+    diff guards: the stance checks those itself on every call (H32)."""
+    sources = getattr(manager, "diff_guard_sources", None) or ()
+    return frozenset(
+        i
+        for i, source in enumerate(key_sources(args, kwargs))
+        if source is not None and source in sources and i < len(key) and type(key[i]) is tuple
+    )

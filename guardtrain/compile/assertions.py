@@ -21,7 +21,7 @@ import torch
 from guardtrain.compile.call_mode import PLAIN_TYPES
 from guardtrain.compile.fastcheck import entry_checks
 from guardtrain.compile.trampoline import CLOSURE_NAME, SHARED_NAME, TRAMPOLINE_GLOBALS
-from guardtrain.compile.watch import owner_dict
+from guardtrain.compile.watch import class_dict, owner_dict
 from guardtrain.filters import SAVED_TENSORS_HOOKS, is_rechecked
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
     "global_path",
     "guard_code",
     "kept_global_assertions",
-    "owner_dicts",
+    "polled_objects",
     "plain_attributes",
     "recorded_guards",
     "user_path",
@@ -47,7 +47,8 @@ class Assertion:
     name: str
     """The guard's source expression, e.g. ``self._modules['drop'].p``."""
     kind: str
-    """``"value"`` (equal), ``"identity"``, ``"type"`` or ``"empty"`` (no hooks)."""
+    """``"value"`` (equal), ``"identity"``, ``"type"``, ``"length"`` (a list's or tuple's
+    length) or ``"empty"`` (no hooks)."""
     value: Any
     kept: bool
     """Whether the guard filter kept the guard (a dropped one needs a recompile)."""
@@ -74,6 +75,8 @@ class Assertion:
             return current is self.value
         if self.kind == "type":
             return type(current) is self.value
+        if self.kind == "length":
+            return len(current) == self.value
         return len(current) == 0
 
     def describe(self, scope: dict[str, Any], target: str | None = None) -> str:
@@ -91,6 +94,9 @@ class Assertion:
             return f"{name}: {self.value!r} -> {current!r}{guard}"
         if self.kind == "empty":
             return f"{name}: hooks added ({len(current)}){guard}"  # type: ignore[arg-type]
+        if self.kind == "length":
+            length = len(current) if hasattr(current, "__len__") else current
+            return f"{name}: length {self.value} -> {length}{guard}"
         return f"{name}: {self.kind} changed{guard}"
 
     def _code(self, target: str | None) -> str:
@@ -130,7 +136,14 @@ def user_path(text: str, target: str, shared: bool = False) -> str:
     text = text.replace(f"{CLOSURE_NAME}.__self__", target or "self")
     if shared:
         text = _SHARED_PREFIX.sub(target or "self", text)
+    text = _CLASS_READ.sub(r"type(\1).\3", text)  # dict(type(self).__dict__)['GAIN']
     return plain_attributes(_SUBSCRIPT.sub(lambda m: "." + m.group(2), text))
+
+
+_CLASS_READ = re.compile(
+    r"dict\(type\(((?:[^()]|\([^()]*\))+)\)(?:\.__mro__\[\d+\])?\.__dict__\)\[(['\"])(\w+)\2\]"
+)
+"""A class attribute read through an instance, as Dynamo names it in a guard."""
 
 
 def plain_attributes(text: str) -> str:
@@ -166,7 +179,15 @@ _RECORDED = {
     "FUNCTION_MATCH": "identity",
     "TYPE_MATCH": "type",
     "EMPTY_NN_MODULE_HOOKS_DICT": "empty",
+    "SEQUENCE_LENGTH": "length",
+    "LIST_LENGTH": "length",
+    "TUPLE_LENGTH": "length",
 }
+_CLASS_ATTRIBUTE = re.compile(
+    r"dict\(type\((?P<obj>.+?)\)(?:\.__mro__\[(?P<k>\d+)\])?\.__dict__\)\[(?P<q>['\"])(?P<name>\w+)(?P=q)\]$"
+)
+"""How Dynamo names a class attribute read through an instance (``self.GAIN`` with
+``GAIN`` on the class, or on its ``k``-th base): ``dict(type(self).__dict__)['GAIN']``."""
 
 
 def global_assertions(entry: Any) -> list[Assertion] | None:
@@ -287,17 +308,22 @@ def _owner_expr(name: str) -> types.CodeType | None:
 def recorded_guards(
     entries: Sequence[Any], keep: list[bool], prefix: str, target: str, shared: bool
 ) -> list[Assertion]:
-    """What the value, identity, type and hook guards on the module (sources starting
-    with ``prefix``) asserted at one compile, kept or dropped, named for ``target``."""
+    """What the value, identity, type, length and hook guards on the module (sources
+    starting with ``prefix``, and class attributes read through it) asserted at one
+    compile, kept or dropped, named for ``target``."""
     recorded = []
     for entry, kept in zip(entries, keep):
         kind = _RECORDED.get(entry.guard_type)
         name = plain_attributes(entry.name)
-        if kind is None or not entry.has_value or not name.startswith(prefix):
+        if kind is None or not entry.has_value or not _on_the_module(name, prefix):
             continue
-        if len(name) > len(prefix) and name[len(prefix)] not in ".[":
-            continue
-        value = type(entry.value) if kind == "type" else entry.value
+        value = entry.value
+        if kind == "type":
+            value = type(value)
+        elif kind == "length":
+            if not hasattr(value, "__len__"):
+                continue
+            value = len(value)
         if kind == "value" and not isinstance(
             value, (bool, int, float, str, type(None), torch.dtype, torch.device)
         ):
@@ -309,6 +335,78 @@ def recorded_guards(
         label = user_path(name, target, shared)
         recorded.append(Assertion(name, kind, value, kept, expr, label, code=guard_code(entry)))
     return recorded
+
+
+def _on_the_module(name: str, prefix: str) -> bool:
+    """Whether a guard source reads from the target's module: ``prefix`` and what
+    follows it, or a class attribute read through it (:data:`_CLASS_ATTRIBUTE`)."""
+    if name.startswith(prefix):
+        return len(name) == len(prefix) or name[len(prefix)] in ".["
+    found = _CLASS_ATTRIBUTE.match(name)
+    return found is not None and _on_the_module(found.group("obj"), prefix)
+
+
+def polled_objects(
+    entries: list[tuple[Assertion, ...]], scope: dict[str, Any]
+) -> tuple[list[dict[Any, Any]], list[list[Any]]]:
+    """What a steady call polls (:class:`~guardtrain.compile.polled.Polled`) for the
+    assertions of a target's entries: the namespaces and plain objects' ``__dict__``
+    that hold what they read (a global, a config object's field), the real dictionaries
+    of the classes a class attribute resolves through, and the lists they read
+    (``self.active``, ``self.scales[0]``). Modules are not among them
+    (:mod:`guardtrain.compile.watch` tracks those by events)."""
+    dicts: list[dict[Any, Any]] = []
+    lists: list[list[Any]] = []
+    for entry in entries:
+        for a in entry:
+            found = _CLASS_ATTRIBUTE.match(a.name)
+            if found is not None:
+                dicts.extend(_class_dicts(found, scope))
+                continue
+            if a.kind == "length":
+                obj = _evaluate(a.expr, scope)
+                if type(obj) is list:
+                    lists.append(obj)
+            owner = _owner_expr(a.name)
+            if owner is None:
+                continue
+            obj = _evaluate(owner, scope)
+            if type(obj) is list:
+                lists.append(obj)
+                continue
+            d = owner_dict(obj)
+            # Not the trampolines' globals: only Dynamo writes them (its `__import_*`
+            # aliases, at compile time); what users change lives in their modules.
+            if d is not None and d is not scope and d is not TRAMPOLINE_GLOBALS:
+                dicts.append(d)
+    return dicts, lists
+
+
+_MISSING = object()
+
+
+def _evaluate(expr: types.CodeType, scope: dict[str, Any]) -> Any:
+    try:
+        return eval(expr, {}, scope)
+    except Exception:
+        return _MISSING
+
+
+def _class_dicts(found: re.Match[str], scope: dict[str, Any]) -> list[dict[Any, Any]]:
+    """The real dictionaries of the classes a class attribute resolves through: the
+    object's type and each base up to the one that defines the name (a write to any of
+    them can change what the attribute reads)."""
+    obj = _evaluate(_compiled(found.group("obj")), scope)
+    if obj is _MISSING:
+        return []
+    mro = type(obj).__mro__
+    last = int(found.group("k") or 0)
+    return [d for cls in mro[: last + 1] if (d := class_dict(cls)) is not None]
+
+
+@functools.cache
+def _compiled(source: str) -> types.CodeType:
+    return compile(source, "<guard owner>", "eval")
 
 
 def check(
@@ -398,27 +496,3 @@ def _closest_entry_failures(
         if failing and (best is None or len(failing) < len(best)):
             best = failing
     return best
-
-
-def owner_dicts(
-    entries: list[tuple[Assertion, ...]], scope: dict[str, Any]
-) -> list[dict[Any, Any]]:
-    """The namespaces and plain objects' ``__dict__`` that hold what the assertions read
-    (a global, a config object's field); modules are not among them
-    (:mod:`guardtrain.compile.watch` tracks those by events)."""
-    found: list[dict[Any, Any]] = []
-    for entry in entries:
-        for a in entry:
-            owner = _owner_expr(a.name)
-            if owner is None:
-                continue
-            try:
-                obj = eval(owner, {}, scope)
-            except Exception:
-                continue
-            d = owner_dict(obj)
-            # Not the trampolines' globals: only Dynamo writes them (its `__import_*`
-            # aliases, at compile time); what users change lives in their modules.
-            if d is not None and d is not scope and d is not TRAMPOLINE_GLOBALS:
-                found.append(d)
-    return found

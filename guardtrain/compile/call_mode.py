@@ -231,16 +231,14 @@ def _hooks_inlineable() -> Callable[[Any], bool] | None:
     return saved_tensors_hooks_are_inlineable  # type: ignore[no-any-return]
 
 
-def outside_state_clear() -> bool:
+def outside_state_clear(plain: Any) -> bool:
     """No compile callback, torch-function mode or saved-tensor hooks active (what the
-    guards of a frame check about the outside world, beside global state), and the
-    stance is the plain unsafe one guardtrain sets (not ``force_eager``, not another
-    backend): a harvested entry then runs what Dynamo would run."""
-    stance = _eval_frame._stance
+    guards of a frame check about the outside world, beside global state), and torch's
+    stance is ``plain``, the one the run started under (not ``force_eager``, not another
+    backend, not a stance the user set since): a harvested entry then runs what Dynamo
+    would run."""
     return (
-        stance.skip_guard_eval_unsafe
-        and stance.stance == "default"
-        and stance.backend is None
+        _eval_frame._stance is plain
         and _frame_callback() is None
         and not _function_modes()
         and top_saved_hooks(True) is None

@@ -38,6 +38,7 @@ from guardtrain.compile.resolve import forward_function
 from guardtrain.compile.trampoline import (
     CLOSURE_NAME,
     SHARED_NAME,
+    TRAMPOLINE_GLOBALS,
     cache_entry_list,
     compiling_frame,
     new_trampoline,
@@ -45,7 +46,10 @@ from guardtrain.compile.trampoline import (
 )
 from guardtrain.filters import SAVED_TENSORS_HOOKS, GuardFilter, is_rechecked, keep_all
 
-__all__ = ["CodeMember", "TargetCode", "share_groups", "structure_key"]
+__all__ = ["VARIANT_LIMIT", "CodeMember", "TargetCode", "share_groups", "structure_key"]
+
+VARIANT_LIMIT = 8
+"""``requires_grad`` patterns kept per code family (:meth:`TargetCode.variant`)."""
 
 
 class CodeMember(Protocol):
@@ -127,6 +131,55 @@ class TargetCode:
         inlines were active at a call or a compile (H31). Survives rebuilds."""
         self.dropped_hooks_guard = False
         """A compile of the current code dropped the saved-tensor-hooks guard."""
+        self.pattern: tuple[bool, ...] | None = None
+        """The parameters' ``requires_grad`` (in ``parameters()`` order) that every entry
+        of this code was compiled for (H42)."""
+        self.variants: dict[tuple[bool, ...] | None, TargetCode] = {None: self}
+        """This code and its variants, one per ``requires_grad`` pattern, shared by all of
+        them (:meth:`variant`)."""
+
+    def set_pattern(self, pattern: tuple[bool, ...]) -> None:
+        """The ``requires_grad`` pattern this code (the first of its family) compiles for."""
+        self.variants = {pattern: self}
+        self.pattern = pattern
+
+    def variant(self, pattern: tuple[bool, ...]) -> TargetCode:
+        """The code of this family for the parameters' ``requires_grad`` pattern
+        ``pattern``, made (without members: the caller adds one and calls
+        :meth:`rebuild`) when there is none yet (H42).
+
+        Each pattern has code of its own, so the entries of one code never differ in the
+        parameters' ``requires_grad``: the stance, which does not check parameters, and
+        turbo's dispatch serve each pattern from its own entries, and a pattern that
+        comes back (``disable_adapter()``, ``toggle_optimizer``) finds them compiled.
+        At most :data:`VARIANT_LIMIT` patterns are kept; past it the least recently
+        used one without members is dropped.
+        """
+        found = self.variants.pop(pattern, None)
+        if found is None:
+            found = TargetCode(
+                self.func,
+                self.compile_kwargs,
+                self.guard_filter if self.drops_guards else None,
+                self.install_free_tensors,
+                self.shared,
+            )
+            found.keep_hooks_guard = self.keep_hooks_guard
+            found.group_key = self.group_key
+            found.variants = self.variants
+            found.pattern = pattern
+        self.variants[pattern] = found  # the most recently used last
+        while len(self.variants) > VARIANT_LIMIT:
+            idle = next((k for k, v in self.variants.items() if not v.members), None)
+            if idle is None:
+                break
+            del self.variants[idle]
+        return found
+
+    def free_tensors_off(self) -> None:
+        """No ``install_free_tensors`` for this code and its variants."""
+        for code in self.variants.values():
+            code.install_free_tensors = False
 
     def mark_graph_breaks(self) -> None:
         """A graph break was found after the fact (at the call into a ``forward`` that
@@ -136,11 +189,25 @@ class TargetCode:
     def keep_every_guard(self) -> None:
         """From the next rebuild on, keep every guard and trace without
         ``install_free_tensors`` (graph breaks: the frames after a break run code that
-        other instances share, H12), for every member."""
-        self.install_free_tensors = False
-        self.drops_guards = False
+        other instances share, H12), for every member and every variant."""
+        for code in self.variants.values():
+            code.install_free_tensors = False
+            code.drops_guards = False
 
     def rebuild(self) -> None:
+        """Compile a fresh code object for this code and each variant with members (a
+        change that makes entries stale holds for every ``requires_grad`` pattern); the
+        variants without members are dropped."""
+        for pattern, code in list(self.variants.items()):
+            if code is self:
+                continue
+            if code.members:
+                code.fresh()
+            else:
+                del self.variants[pattern]
+        self.fresh()
+
+    def fresh(self) -> None:
         """Compile a fresh code object: every entry of the old one is forgotten, and every
         member calls the new one.
 
@@ -184,6 +251,27 @@ class TargetCode:
             return self.compiled(module, *args, **kwargs)
 
         return call
+
+    def call_scope(
+        self, member: CodeMember, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The trampoline frame's locals for a call of ``member``: what its guard
+        managers read."""
+        if self.shared:
+            return {
+                SHARED_NAME: member.module,
+                "args": args,
+                "kwargs": kwargs,
+                "forward": self.func,
+            }
+        return {"args": args, "kwargs": kwargs, CLOSURE_NAME: member.bound}
+
+    def scope(self, member: CodeMember) -> dict[str, Any]:
+        """What the recorded assertions evaluate in for ``member``: the frame's module and
+        ``G``."""
+        if self.shared:
+            return {SHARED_NAME: member.module, "G": TRAMPOLINE_GLOBALS}
+        return {CLOSURE_NAME: member.bound, "G": TRAMPOLINE_GLOBALS}
 
     def _track(self, entries: Sequence[Any]) -> list[bool]:
         """The guard filter Dynamo calls at each compile: filters, then records what the
@@ -290,8 +378,9 @@ _VALUE_TYPES = (torch.dtype, torch.device, enum.Enum)
 def structure_key(module: nn.Module, func: Any = None) -> tuple[Any, ...]:
     """What two instances must have in common to share compiled code (H24).
 
-    The class and its ``forward``; every submodule's name and class; every parameter's and buffer's name, dtype, device, shape and
-    ``requires_grad``; the hooks (by identity); and each submodule's other public
+    The class and its ``forward``; every submodule's name and class; every parameter's
+    and buffer's name, dtype, device and shape, and a buffer's ``requires_grad`` (a
+    parameter's picks the code's variant, H42); the hooks (by identity); and each submodule's other public
     attributes: a plain tensor's metadata, a function's identity, a dtype's,
     device's or enum's value, any other object's type. A guard filter may drop
     the guards on these, so an instance that differed in one of them would run
@@ -314,9 +403,11 @@ def structure_key(module: nn.Module, func: Any = None) -> tuple[Any, ...]:
             else:
                 row = type(value)
             rows.append((name, key, row))
-    for kind, items in (("p", module.named_parameters()), ("b", module.named_buffers())):
-        for name, t in items:
-            rows.append((kind, name, t.dtype, t.device, tuple(t.shape), t.requires_grad))
+    for name, p in module.named_parameters():
+        # Not `requires_grad`: each pattern has code of its own (TargetCode.variant, H42).
+        rows.append(("p", name, p.dtype, p.device, tuple(p.shape)))
+    for name, b in module.named_buffers():
+        rows.append(("b", name, b.dtype, b.device, tuple(b.shape), b.requires_grad))
     from guardtrain.fingerprints import module_fingerprint
 
     rows.extend(row for row in module_fingerprint(module) if row[0] == "hooks")

@@ -77,6 +77,8 @@ def _all_hold(assertions: list[Any]) -> Callable[[dict[str, Any]], bool]:
             terms.append(f"{expr} is _v{i}")
         elif a.kind == "type":
             terms.append(f"type({expr}) is _v{i}")
+        elif a.kind == "length":
+            terms.append(f"len({expr}) == _v{i}")
         else:
             terms.append(f"len({expr}) == 0")
     # The scope's names that the sources read, taken from the scope: a missing one

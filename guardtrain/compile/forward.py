@@ -17,8 +17,17 @@ from typing import Any, Callable
 import torch
 
 import guardtrain.compile.call_mode as _call_mode
-from guardtrain.compile.accept import accepts, admit, stance_choice
+from guardtrain.compile.accept import (
+    ADMITTED,
+    FULL_GUARDS,
+    MISSED,
+    accepts,
+    admit,
+    remember_full_guards,
+    stance_choice,
+)
 from guardtrain.compile.call_mode import (
+    CallMode,
     any_autocast,
     call_key,
     callback_handler,
@@ -29,18 +38,31 @@ from guardtrain.compile.call_mode import (
     mode_of,
     top_saved_hooks,
 )
+from guardtrain.compile.grads import moved as grad_moved
 from guardtrain.compile.harvest import direct_entry
 from guardtrain.compile.miss import Miss, MissReason
 from guardtrain.compile.options import is_stance_miss
+from guardtrain.compile.stances import NO_STANCE
 from guardtrain.compile.state import TargetState
 from guardtrain.compile.trampoline import compiling_frame
 
-__all__ = ["check_changed", "fit", "guarded", "steady", "with_full_guards", "wrapper_for"]
+__all__ = [
+    "check_changed",
+    "first_call_of_batch",
+    "fit",
+    "guarded",
+    "steady",
+    "with_full_guards",
+    "wrapper_for",
+]
 
 _eval_frame = torch._dynamo.eval_frame
+_is_compiling: Callable[[], bool] = torch.compiler.is_compiling
 _FREEVAR_ERROR = "Freevar has no source"
 _NOT_RUN = object()
 """What a steady call returns when it left the stance instead of running."""
+_NOT_DIRECT = object()
+"""What turbo's direct path returns for a call that takes the stance's path instead."""
 _UNACCEPTED = Miss.of(MissReason.UNACCEPTED)
 _UNSEEN_ARGUMENTS = Miss.of(MissReason.UNSEEN_ARGUMENTS)
 _STANCE_MISS = Miss.of(MissReason.STANCE_MISS)
@@ -56,6 +78,8 @@ def wrapper_for(target: TargetState, func: Callable[..., Any]) -> Callable[..., 
             fit(target)  # the code compiled since: does it still fit this instance?
         if top_saved_hooks(True) is not None:
             saved_hooks_seen(target)  # saved-tensor hooks at this call (H31)
+        if target.first_call:
+            first_call_of_batch(target)  # requires_grad flips that no event saw (H42)
         if target.changed:
             check_changed(target, args, kwargs)  # an event: a module changed (H33, H34)
         if target.under_stance:
@@ -75,47 +99,118 @@ def wrapper_for(target: TargetState, func: Callable[..., Any]) -> Callable[..., 
 
 
 def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A call under the stance; ``_NOT_RUN`` when it left the stance instead (the
-    caller then runs it with full guards)."""
+    """A call in the steady state: under the stance, set for this call alone (H41), or
+    directly (turbo); ``_NOT_RUN`` when it left the stance instead (the caller then runs
+    it with full guards)."""
     code, module = target.code, target.module
     mode = (module.training, is_grad_enabled(), is_inference(), any_autocast())
-    if mode not in code.stance_modes:
-        # The stance could pick an entry compiled for another mode.
-        described = describe_call_mode(mode, mode in code.modes)
-        target.on_miss(target, Miss(MissReason.MODE, described))
-        return _NOT_RUN
     found = call_key(args, kwargs)
     if found is None:
         return with_full_guards(target, args, kwargs)  # no key describes the arguments
     key, tensors = found
-    # With guard collectives (retry_eagerly) a check on this rank alone would break
-    # the pairing of collectives: Dynamo's shared misses decide there.
-    if (
-        (key != target.last_key or mode != target.last_mode)
-        and not target.retry_eagerly
-        and not admit(target, mode, key, args, kwargs)
-    ):
-        target.on_miss(target, _unadmitted(target, key))
-        return _NOT_RUN
-    if target.direct:
-        # Turbo (H30): the entry Dynamo chose for a call like this one, run below
-        # Dynamo's entry path once guardtrain's own checks pass.
-        direct = direct_entry(target, mode, key, tensors, args, kwargs)
-        if direct is not None:
-            if code.shared:
-                return direct.fn(module, *args, **kwargs)
-            return direct.fn(*args, **kwargs)
-        if not target.under_stance:
+    if key == target.last_key and mode == target.last_mode and mode in code.stance_modes:
+        verdict = ADMITTED  # the last admitted call's arguments and mode (most calls)
+    else:
+        verdict = _verdict(target, mode, key, args, kwargs)
+        if verdict is MISSED:
             return _NOT_RUN
+    if target.direct:
+        out = _directly(target, mode, key, tensors, args, kwargs)
+        if out is not _NOT_DIRECT:
+            return out
+    if verdict is FULL_GUARDS:
+        return with_full_guards(target, args, kwargs)
     if target.checking and not accepts(target, args, kwargs):
         # Unseen inputs (H26): no entry's guards accept them, so the stance would
         # run an entry compiled for other shapes.
         target.on_miss(target, _UNACCEPTED)
         return _NOT_RUN
+    # The stance for this call alone (H41): torch's stance is one value for the whole
+    # process, so it is set around the target's own compiled call and put back after
+    # it, also when the call raises. Never written while Dynamo traces this wrapper,
+    # nor over a stance the user set.
+    previous = _eval_frame._stance
+    if previous is not target.plain_stance or _is_compiling():
+        return _not_our_stance(target, previous, args, kwargs)
+    _eval_frame._stance = target.unsafe_stance
     try:
         return target.compiled(*args, **kwargs)
     except RuntimeError as err:
-        return _after_stance_miss(target, err, args, kwargs)
+        failed = err
+    finally:
+        _eval_frame._stance = previous
+    return _after_stance_miss(target, failed, mode, key, args, kwargs)
+
+
+def _verdict(
+    target: TargetState,
+    mode: CallMode,
+    key: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> str:
+    """How a steady call with another key or mode than the last admitted call runs
+    (:func:`~guardtrain.compile.accept.admit`'s verdicts); on :data:`MISSED` the call has
+    left the stance."""
+    code = target.code
+    if mode in code.stance_modes:
+        if target.retry_eagerly:
+            # With guard collectives a check on this rank alone would break the pairing
+            # of collectives: Dynamo's shared misses decide there.
+            return ADMITTED
+        verdict = admit(target, mode, key, args, kwargs)
+        if verdict is MISSED:
+            target.on_miss(target, _unadmitted(target, key))
+        return verdict
+    if mode in code.modes and not target.retry_eagerly:
+        # Entries exist for this mode, but the stance cannot tell them apart (another
+        # `training` value under the same grad mode and autocast, H1): this call alone
+        # runs with full guards, or directly, and the loop stays steady (H44).
+        return FULL_GUARDS
+    # The stance could pick an entry compiled for another mode.
+    target.on_miss(target, Miss(MissReason.MODE, describe_call_mode(mode, mode in code.modes)))
+    return MISSED
+
+
+def _directly(
+    target: TargetState,
+    mode: CallMode,
+    key: tuple[Any, ...],
+    tensors: list[torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Turbo (H30): the entry Dynamo chose for a call like this one, run below Dynamo's
+    entry path once guardtrain's own checks pass (it needs no stance); ``_NOT_DIRECT``
+    when the call takes the stance's path, ``_NOT_RUN`` when it left the stance."""
+    direct = direct_entry(target, mode, key, tensors, args, kwargs)
+    if direct is not None:
+        if target.code.shared:
+            return direct.fn(target.module, *args, **kwargs)
+        return direct.fn(*args, **kwargs)
+    return _NOT_DIRECT if target.under_stance else _NOT_RUN
+
+
+def _not_our_stance(
+    target: TargetState, previous: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A steady call that finds another stance than the one the run started under.
+
+    While Dynamo traces the wrapper (the target is called from the user's own compiled
+    code) nothing is written: the call is traced as it is. A stance equal to the run's
+    (``with set_stance("default")``, a new object) is treated as it. Any other stance is
+    the user's (``force_eager``, ``fail_on_recompile``): it is left as it is, and the
+    call runs under it with full guards."""
+    if _is_compiling():
+        return target.compiled(*args, **kwargs)
+    plain = target.plain_stance
+    if plain is NO_STANCE or previous != plain:
+        return with_full_guards(target, args, kwargs)
+    _eval_frame._stance = dataclasses.replace(previous, skip_guard_eval_unsafe=True)
+    try:
+        return target.compiled(*args, **kwargs)
+    finally:
+        _eval_frame._stance = previous
 
 
 def _unadmitted(target: TargetState, key: tuple[Any, ...]) -> Miss:
@@ -130,11 +225,25 @@ def _unadmitted(target: TargetState, key: tuple[Any, ...]) -> Miss:
 
 
 def _after_stance_miss(
-    target: TargetState, err: RuntimeError, args: tuple[Any, ...], kwargs: dict[str, Any]
+    target: TargetState,
+    err: RuntimeError,
+    mode: CallMode,
+    key: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> Any:
-    """Dynamo's own miss under the stance (H4): leave it, then retry (eagerly with
-    guard collectives); any other error is raised."""
-    if not (is_stance_miss(err) and target.on_miss(target, _STANCE_MISS)):
+    """Dynamo's own miss under the stance (H4), raised before the frame ran (a target
+    under the stance has no graph breaks); any other error is raised.
+
+    When an entry accepts the call with full guards, the stance only failed to pick
+    it (H44): this call runs with full guards, and so do later calls with its key, while
+    the loop stays steady. Otherwise the call leaves the stance and is retried (eagerly
+    with guard collectives)."""
+    if not is_stance_miss(err):
+        raise err
+    if not target.retry_eagerly and remember_full_guards(target, mode, key, args, kwargs):
+        return with_full_guards(target, args, kwargs)
+    if not target.on_miss(target, _STANCE_MISS):
         raise err
     if target.retry_eagerly:
         return target.bound(*args, **kwargs)
@@ -142,15 +251,10 @@ def _after_stance_miss(
 
 
 def with_full_guards(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run one call with Dynamo's full guards although the stance is on (its arguments
-    hold something no key describes): the stance is lifted around this call only."""
+    """Run one steady call with Dynamo's full guards (its arguments hold something no key
+    describes, or the stance cannot pick its entry): the stance is not set for it."""
     target.full_guard_calls += 1
-    stance = _eval_frame._stance
-    _eval_frame._stance = dataclasses.replace(stance, skip_guard_eval_unsafe=False)
-    try:
-        return guarded(target, args, kwargs)
-    finally:
-        _eval_frame._stance = stance
+    return guarded(target, args, kwargs)
 
 
 def guarded(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -216,6 +320,7 @@ def check_changed(
         reason, note = MissReason.CHANGED, target.change_note or MissReason.CHANGED.value
     target.changed = False
     target.change_note = None
+    code = target.code
     if target.on_change is not None:
         target.on_change(target, note)
     if (
@@ -223,11 +328,25 @@ def check_changed(
         and not target.retry_eagerly
         and stance_choice(target, args, kwargs) is None
     ):
-        # In a batch with an unseen signature (H26) that is what the call is new in.
-        target.on_miss(target, _UNACCEPTED if target.checking else Miss(reason, note))
+        if target.code is not code:  # the code of a new requires_grad pattern (H42)
+            miss = Miss(MissReason.NEW_PATTERN, f"{note}: {MissReason.NEW_PATTERN.value}")
+        else:  # in a batch with an unseen signature (H26) that is what the call is new in
+            miss = _UNACCEPTED if target.checking else Miss(reason, note)
+        target.on_miss(target, miss)
     target.versions.reset()
     if target.installed:
         target.watch_modules()
+
+
+def first_call_of_batch(target: TargetState) -> None:
+    """The first call of a batch: parameters whose ``requires_grad`` moved where no event
+    saw it (``torch.Tensor.requires_grad_(p)``, FSDP2's ``DTensor`` parameters) mark the
+    target, which then switches to the code of the new pattern as after an event (H42).
+    One pass in C over the parameters, about 60 ns each, once per batch."""
+    target.first_call = False
+    if not target.changed and grad_moved(target):
+        target.changed = True
+        target.change_note = "requires_grad of a parameter changed (seen at the batch's first call)"
 
 
 def fit(target: TargetState) -> None:

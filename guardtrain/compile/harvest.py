@@ -13,12 +13,11 @@ from typing import Any
 import torch
 
 import guardtrain.compile.call_mode as _call_mode
+from guardtrain.compile.accept import accepting_entry
 from guardtrain.compile.call_mode import CallMode, outside_state_clear
 from guardtrain.compile.direct import DIRECT_LIMIT, DirectEntry
 from guardtrain.compile.miss import Miss, MissReason
 from guardtrain.compile.state import TargetState
-from guardtrain.compile.trampoline import cache_entry_list
-from guardtrain.guardcheck import check as _guard_check
 
 __all__ = ["direct_entry", "harvest", "may_harvest"]
 
@@ -37,7 +36,7 @@ def direct_entry(
     counted in ``target.direct_calls``; None when the call takes the stance's path (the
     world outside the arguments is not as the entries were harvested, or no entry may
     be harvested) or left the stance (no entry accepts it)."""
-    if not outside_state_clear():
+    if not outside_state_clear(target.plain_stance):
         return None
     for direct in target.dispatch_table.get(mode, ()):
         if direct.matches(key, tensors, lambda: target.call_scope(args, kwargs)):
@@ -80,7 +79,7 @@ def harvest(
     first whose guard manager accepts it, in cache order), as a :class:`DirectEntry`
     for calls like it, added to the table; None when no entry accepts the call."""
     target.harvests += 1
-    found = _accepting_entry(target, args, kwargs)
+    found = accepting_entry(target, args, kwargs)
     if found is None:
         return None
     entry, entries = found
@@ -89,18 +88,3 @@ def harvest(
     direct = DirectEntry(entry, code.closure, key, tensors, several=several)
     target.dispatch_table.setdefault(mode, []).append(direct)
     return direct
-
-
-def _accepting_entry(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``(entry, number of entries)`` for the first cache entry of the root code whose
-    guard manager accepts a call with these arguments (Dynamo's choice with full
-    guards, in cache order), or None."""
-    if cache_entry_list is None:
-        return None
-    scope = target.call_scope(args, kwargs)
-    entries = cache_entry_list(target.code.trampoline)
-    for entry in entries:
-        manager = getattr(entry, "guard_manager", None)
-        if manager is not None and _guard_check(manager, scope):
-            return entry, len(entries)
-    return None

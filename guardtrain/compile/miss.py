@@ -35,6 +35,9 @@ class MissReason(enum.Enum):
     """The target left its shared code for code of its own (H24); the text says why."""
     SAVED_HOOKS = "saved-tensor hooks that Dynamo inlines are active; compiling with their guard"
     """Saved-tensor hooks that need their guard (H31)."""
+    NEW_PATTERN = "compiling for the parameters' new requires_grad"
+    """The parameters' ``requires_grad`` took a pattern whose code has no entry for the
+    call yet (H42); the text says what changed."""
 
 
 @dataclass(frozen=True, slots=True)

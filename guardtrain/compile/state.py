@@ -17,7 +17,7 @@ from guardtrain.compile.call_mode import CallMode
 from guardtrain.compile.code import TargetCode
 from guardtrain.compile.direct import DirectEntry
 from guardtrain.compile.miss import Miss
-from guardtrain.compile.watch import DictVersions
+from guardtrain.compile.polled import Polled
 
 __all__ = ["TargetState"]
 
@@ -42,7 +42,13 @@ class TargetState(Protocol):
     the engine checks the target and rebuilds it or leaves the stance (H33)."""
 
     under_stance: bool
-    """True while the unsafe stance is on: calls skip the config patch."""
+    """True in the steady state: each call runs under the stance, set for that call alone
+    (H41), or directly (turbo)."""
+    plain_stance: Any
+    """Torch's stance as the run found it: what a steady call expects to find, and puts
+    back after its compiled call (:class:`~guardtrain.compile.stances.Stances`)."""
+    unsafe_stance: Any
+    """``plain_stance`` with ``skip_guard_eval_unsafe``: set around a steady compiled call."""
     direct: bool
     """True while calls under the stance may run a harvested entry directly (turbo)."""
     direct_calls: int
@@ -68,13 +74,22 @@ class TargetState(Protocol):
     H34)."""
     change_note: str | None
     """What the first event since the last check was."""
-    versions: DictVersions
-    """Global namespaces and plain objects that this target's guards read, with the
-    versions they had at the last compile or check."""
+    first_call: bool
+    """Set before each batch: the next call is the batch's first, which checks the
+    parameters' ``requires_grad`` that no event sees (H42)."""
+    params: list[Any]
+    """The module's parameters, in ``parameters()`` order (their ``requires_grad`` pattern
+    picks the code, :mod:`guardtrain.compile.grads`)."""
+    versions: Polled
+    """Global namespaces, plain objects' and classes' dictionaries, and lists that this
+    target's guards read, as they were at the last compile or check."""
     accepted: dict[CallMode, set[tuple[Any, ...]]]
     """Argument keys (:func:`~guardtrain.compile.call_mode.call_key`) that the stance's
     own choice of entry was shown to accept, per mode (H32); emptied whenever the
     entries may change."""
+    full_keys: dict[CallMode, set[tuple[Any, ...]]]
+    """Argument keys per mode that an entry accepts but the stance's own choice does not
+    (an entry per autocast state, H44): such calls run with full guards, or directly."""
     accepted_masked: dict[CallMode, set[tuple[Any, ...]]]
     """The same with the plain values that Dynamo's stance checks itself masked
     (:func:`~guardtrain.compile.call_mode.masked`): an int that Dynamo made dynamic."""

@@ -24,24 +24,33 @@ from __future__ import annotations
 import types
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
+import guardtrain.compile.grads as _grads
 import guardtrain.compile.verify as _verify
 import guardtrain.compile.watch as _watch
-from guardtrain.compile.assertions import Assertion, check, owner_dicts
+from guardtrain.compile.assertions import Assertion, check, polled_objects
 from guardtrain.compile.call_mode import CallMode
 from guardtrain.compile.code import TargetCode, structure_key
 from guardtrain.compile.direct import DirectEntry
 from guardtrain.compile.forward import wrapper_for
 from guardtrain.compile.miss import Miss
+from guardtrain.compile.polled import Polled
 from guardtrain.compile.resolve import forward_function, nested_compile_region
-from guardtrain.compile.trampoline import CLOSURE_NAME, SHARED_NAME, TRAMPOLINE_GLOBALS
-from guardtrain.compile.watch import DictVersions
+from guardtrain.compile.stances import NO_STANCE, Stances
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.filters import GuardFilter
 from guardtrain.fingerprints import module_fingerprint
 
-__all__ = ["ChangeHook", "CompileHook", "CompiledTarget", "MissHook", "SwitchOffHook"]
+__all__ = [
+    "ChangeHook",
+    "CompileHook",
+    "CompiledTarget",
+    "MissHook",
+    "SwitchOffHook",
+    "steady_now",
+]
 
 CompileHook = Callable[["CompiledTarget", str | None], None]
 MissHook = Callable[["CompiledTarget", Miss], bool]
@@ -98,22 +107,19 @@ class CompiledTarget:
         self._on_switch_off = on_switch_off
         # The per-call state (TargetState says what each holds).
         self.under_stance = False
+        self.plain_stance: Any = NO_STANCE
+        self.unsafe_stance: Any = None
         self.direct_allowed = False  # direct dispatch wanted (`direct_dispatch`, not refused)
         self.direct = False
         self.direct_calls = 0
-        self.dispatch_table: dict[CallMode, list[DirectEntry]] = {}
-        self.harvests = 0
+        self.forget_dispatch()  # the dispatch table, the accepted keys
         self.checking = False
         self.checks = 0
         self.retry_eagerly = False
         self.changed = False
         self.change_note: str | None = None
-        self.versions = DictVersions()
-        self.accepted: dict[CallMode, set[tuple[Any, ...]]] = {}
-        self.accepted_masked: dict[CallMode, set[tuple[Any, ...]]] = {}
-        self.delegated: dict[tuple[Any, ...], frozenset[int]] = {}
-        self.last_key: tuple[Any, ...] | None = None
-        self.last_mode: CallMode | None = None
+        self.first_call = False
+        self.versions = Polled()
         self.full_guard_calls = 0
         self.checked_generation = 0
         self.calls = 0
@@ -126,12 +132,14 @@ class CompiledTarget:
         self._previous: dict[str, Any] = {}
         self._func = forward_function(name, module)
         self.bound: Callable[..., Any] = types.MethodType(self._func, module)
+        self.params: list[torch.Tensor] = list(module.parameters())
         self.compiled: Callable[..., Any]
         self.code: TargetCode
         if share_with is not None:
             self.code = share_with.code
             self.code.members.append(self)
             self.compiled = self.code.caller(module)
+            _grads.use_variant(self)  # its parameters' requires_grad may differ (H42)
         else:
             self._own_code(compile_kwargs, guard_filter, install_free_tensors, shared=shared)
         self._wrapper = wrapper_for(self, self._func)
@@ -146,6 +154,7 @@ class CompiledTarget:
     ) -> None:
         code = TargetCode(self._func, compile_kwargs, guard_filter, install_free_tensors, shared)
         self.code = code
+        code.set_pattern(_grads.pattern(self.params))
         code.members.append(self)
         code.group_key = structure_key(self.module, self._func) if shared else None
         region = nested_compile_region(self.module) if code.install_free_tensors else None
@@ -178,7 +187,7 @@ class CompiledTarget:
 
     def free_tensors_off(self, why: str) -> None:
         """Switch ``install_free_tensors`` off for this target's code, and say why."""
-        self.code.install_free_tensors = False
+        self.code.free_tensors_off()
         if self._on_switch_off is not None:
             self._on_switch_off(self, why)
 
@@ -212,7 +221,9 @@ class CompiledTarget:
         self.watch_modules()
 
     def watch_modules(self) -> None:
-        """Events of every module in the target mark it (:mod:`guardtrain.compile.watch`)."""
+        """Events of every module and parameter in the target mark it
+        (:mod:`guardtrain.compile.watch`)."""
+        self.params = list(self.module.parameters())
         _watch.watch(self, self.module.modules())
 
     def uninstall(self) -> None:
@@ -258,7 +269,7 @@ class CompiledTarget:
     def entries_changed(self) -> None:
         """An entry was compiled: forget the dispatch; watch what the guards now read."""
         self.forget_dispatch()
-        self.versions.reset(owner_dicts(self.code.assertions, self.scope()))
+        self.versions.reset(*polled_objects(self.code.assertions, self.scope()))
 
     def code_compiled(self, reason: str | None) -> None:
         """This member's call compiled an entry: it fits it, and the hook is told."""
@@ -267,10 +278,13 @@ class CompiledTarget:
 
     # -- the stance, and what the engine asks ------------------------------------------------
 
-    def set_under_stance(self, on: bool) -> None:
-        """The stance went on or off: calls under it skip the config patch, and with
-        direct dispatch allowed run harvested entries. Off empties the dispatch table
-        (it is harvested again, from real calls, when the stance is next on)."""
+    def set_under_stance(self, on: bool, stances: Stances | None = None) -> None:
+        """The steady state starts or ends: calls set the stance around their own compiled
+        call (``stances``: what they write, H41), and with direct dispatch allowed run
+        harvested entries. Off empties the dispatch table (it is harvested again, from
+        real calls, when the steady state is next on)."""
+        if stances is not None:
+            self.plain_stance, self.unsafe_stance = stances.plain, stances.unsafe
         self.under_stance = on
         self.direct = (
             on and self.direct_allowed and self.unverified is None and not self.code.graph_breaks
@@ -280,13 +294,14 @@ class CompiledTarget:
 
     def forget_dispatch(self) -> None:
         """Empty the dispatch table and the accepted argument keys (entries may change)."""
-        self.dispatch_table = {}
+        self.dispatch_table: dict[CallMode, list[DirectEntry]] = {}
         self.harvests = 0
-        self.accepted = {}
-        self.accepted_masked = {}
-        self.delegated = {}
-        self.last_key = None
-        self.last_mode = None
+        self.accepted: dict[CallMode, set[tuple[Any, ...]]] = {}
+        self.accepted_masked: dict[CallMode, set[tuple[Any, ...]]] = {}
+        self.full_keys: dict[CallMode, set[tuple[Any, ...]]] = {}
+        self.delegated: dict[tuple[Any, ...], frozenset[int]] = {}
+        self.last_key: tuple[Any, ...] | None = None
+        self.last_mode: CallMode | None = None
 
     def allow_direct_dispatch(self, allowed: bool) -> None:
         """Whether calls under the stance may run harvested entries (turbo, H30)."""
@@ -322,20 +337,11 @@ class CompiledTarget:
 
     def call_scope(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The trampoline frame's locals for a call: what its guard managers read."""
-        if self.code.shared:
-            return {
-                SHARED_NAME: self.module,
-                "args": args,
-                "kwargs": kwargs,
-                "forward": self.code.func,
-            }
-        return {"args": args, "kwargs": kwargs, CLOSURE_NAME: self.bound}
+        return self.code.call_scope(self, args, kwargs)
 
     def scope(self) -> dict[str, Any]:
         """What the recorded assertions evaluate in: the frame's module and ``G``."""
-        if self.code.shared:
-            return {SHARED_NAME: self.module, "G": TRAMPOLINE_GLOBALS}
-        return {CLOSURE_NAME: self.bound, "G": TRAMPOLINE_GLOBALS}
+        return self.code.scope(self)
 
     def check_assertions(self, globals_too: bool = True) -> tuple[str | None, str | None]:
         """``(stale, unmatched)`` of :func:`guardtrain.compile.assertions.check` for this
@@ -352,6 +358,13 @@ class CompiledTarget:
     def stop_verify(self) -> str | None:
         """End verification; describe the first mismatch seen, or return None."""
         return _verify.stop_verify(self)
+
+
+def steady_now() -> bool:
+    """Whether some installed target is in the steady state now: its calls set the stance
+    around their own compiled calls (H41). Torch's stance itself is set only during such
+    a call, so this is what a test or script reads between calls."""
+    return any(getattr(t, "under_stance", False) for t in _watch.watched())
 
 
 def _getstate_without(module: nn.Module, previous: dict[str, Any]) -> Callable[[], Any]:

@@ -13,24 +13,30 @@ state is tracked by events, the way ``torch/_dynamo/mutation_guard.py`` does:
 * hooks do not go through ``__setattr__``: the ``register_*_hook`` methods of
   ``nn.Module``, the global ``register_module_*_hook`` functions and
   ``RemovableHandle.remove`` are wrapped the same way;
-* plain objects and global namespaces that guards read (a config object, the
-  module that defines ``forward``) are few and fixed per compile: their
-  ``__dict__`` versions are compared per call (:class:`DictVersions`, about
-  70 ns a dictionary).
+* ``requires_grad`` is a tensor's, not a module's (H42): ``nn.Parameter`` gets a
+  ``requires_grad_`` wrapper and a ``requires_grad`` property over the tensor's own
+  descriptor, so ``p.requires_grad_()``, ``Module.requires_grad_()`` and
+  ``p.requires_grad = ...`` mark the targets that hold the parameter. Reading
+  ``p.requires_grad`` goes through the property (about 60 ns more); the compiled code
+  and autograd read the flag in C, unchanged;
+* plain objects, classes, global namespaces and lists that guards read are few and
+  fixed per compile: they are polled per call (:mod:`guardtrain.compile.polled`).
 
 A marked target checks itself before its next call; nothing else is done per
 call. The wrappers are installed when the first target is watched and removed
 when the last one goes, leaving every patched class and function as it was.
 
-What no event sees (docs/design.md, H33): ``object.__setattr__``, writes into a
-module's ``__dict__``, ``_parameters`` or hook dictionaries directly, in-place
-changes of a list or dict attribute, class attributes, and hooks registered
-through a reference to ``register_module_*_hook`` taken before the run. Those
-are caught at the next audit or loop boundary.
+What no event sees (docs/design.md, H33, H42): ``object.__setattr__``, writes into a
+module's ``__dict__``, ``_parameters`` or hook dictionaries directly, hooks registered
+through a reference to ``register_module_*_hook`` taken before the run (caught at the
+next audit or loop boundary), and ``requires_grad`` set on a parameter that is not an
+``nn.Parameter`` (FSDP2's ``DTensor``) or through ``torch.Tensor.requires_grad_(p)``
+(caught at the first call of the next batch, :meth:`CompiledTarget.grad_moved`).
 """
 
 from __future__ import annotations
 
+import gc
 import types
 from typing import Any, Callable, Iterable, Protocol
 
@@ -38,9 +44,8 @@ import torch
 from torch import nn
 from torch.utils import hooks as _hooks
 
-__all__ = ["DictVersions", "Watched", "watch", "unwatch", "patched"]
+__all__ = ["Watched", "class_dict", "owner_dict", "patched", "unwatch", "watch", "watched"]
 
-_dict_version: Callable[[dict[Any, Any]], int] = torch._C._dynamo.guards.dict_version
 _is_compiling: Callable[[], bool] = torch.compiler.is_compiling
 _module_setattr = nn.Module.__setattr__
 _module_delattr = nn.Module.__delattr__
@@ -53,10 +58,12 @@ class Watched(Protocol):
     change_note: str | None
 
 
-# id(module) -> targets that contain it; id(hook dict) -> targets whose module owns it.
+# id(module) -> targets that contain it; id(hook dict) -> targets whose module owns it;
+# id(parameter) -> targets that hold it.
 _modules: dict[int, list[Watched]] = {}
 _hook_dicts: dict[int, list[Watched]] = {}
-_targets: dict[int, tuple[Watched, list[int], list[int]]] = {}
+_params: dict[int, list[Watched]] = {}
+_targets: dict[int, tuple[Watched, list[int], list[int], list[int]]] = {}
 _MODULE_HOOK_DICTS = (
     "_forward_pre_hooks",
     "_forward_hooks",
@@ -133,6 +140,38 @@ def _setattr(self: nn.Module, name: str, value: Any) -> None:
     _module_setattr(self, name, value)
 
 
+# The tensor's own descriptor (a C getset; typed as a bool by torch's stubs).
+_requires_grad: Any = torch._C.TensorBase.__dict__["requires_grad"]
+_get_requires_grad: Callable[[torch.Tensor], bool] = _requires_grad.__get__
+_set_requires_grad: Callable[[torch.Tensor, bool], None] = _requires_grad.__set__
+_tensor_requires_grad_ = torch.Tensor.requires_grad_
+
+
+def _flip(param: torch.Tensor, value: Any) -> None:
+    """Mark the targets holding ``param`` when its ``requires_grad`` is about to change."""
+    if not _is_compiling():
+        targets = _params.get(id(param))
+        if targets is not None and _get_requires_grad(param) is not bool(value):
+            _mark(targets, f"requires_grad of a parameter was set to {bool(value)}")
+
+
+def _parameter_requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+    _flip(self, requires_grad)
+    return _tensor_requires_grad_(self, requires_grad)
+
+
+def _set_parameter_requires_grad(self: torch.Tensor, value: bool) -> None:
+    _flip(self, value)
+    _set_requires_grad(self, value)
+
+
+_parameter_requires_grad_.__doc__ = _tensor_requires_grad_.__doc__
+_parameter_requires_grad_.__name__ = "requires_grad_"
+_PARAMETER_REQUIRES_GRAD = property(
+    _get_requires_grad, _set_parameter_requires_grad, doc=_requires_grad.__doc__
+)
+
+
 def _delattr(self: nn.Module, name: str) -> None:
     if not _is_compiling():
         targets = _modules.get(id(self))
@@ -159,7 +198,7 @@ def _wrap_global_hook_function(original: Callable[..., Any]) -> Callable[..., An
     def register(*args: Any, **kwargs: Any) -> Any:
         handle = original(*args, **kwargs)
         _mark(
-            [t for t, _, _ in _targets.values()],
+            [t for t, *_ in _targets.values()],
             f"a global module hook was added ({original.__name__})",
         )
         return handle
@@ -180,7 +219,7 @@ def _remove(self: _hooks.RemovableHandle) -> None:
         if d is not None and self.id in d:
             targets = _hook_dicts.get(id(d))
             if targets is None and _is_global_hook_dict(d):
-                targets = [t for t, _, _ in _targets.values()]
+                targets = [t for t, *_ in _targets.values()]
             if targets:
                 _mark(targets, "a hook was removed")
     _handle_remove(self)
@@ -198,9 +237,11 @@ class _Patches:
     def __init__(self) -> None:
         self.saved: list[tuple[Any, str, Any, Any]] = []
 
-    def _set(self, owner: Any, name: str, value: Any) -> None:
+    def _set(self, owner: Any, name: str, value: Any, add: bool = False) -> None:
+        """Replace ``owner.name`` by ``value`` (``add``: also where the class only
+        inherits it; :meth:`remove` then deletes it again)."""
         original = owner.__dict__.get(name, _MISSING)
-        if original is _MISSING:
+        if original is _MISSING and not add:
             return
         setattr(owner, name, value)
         self.saved.append((owner, name, original, value))
@@ -214,6 +255,9 @@ class _Patches:
             if original is not None:
                 self._set(nn.Module, name, _wrap_hook_method(original))
         self._set(_hooks.RemovableHandle, "remove", _remove)
+        # nn.Parameter inherits both from the tensor's C type: added, then deleted (H42).
+        self._set(nn.Parameter, "requires_grad_", _parameter_requires_grad_, add=True)
+        self._set(nn.Parameter, "requires_grad", _PARAMETER_REQUIRES_GRAD, add=True)
         from torch.nn import modules as modules_package
         from torch.nn.modules import module as module_module
 
@@ -232,7 +276,11 @@ class _Patches:
         """Put back what :meth:`install` replaced; a wrapper that someone else wrapped in
         turn stays (as a pass-through, since nothing is watched any more)."""
         for owner, name, original, value in reversed(self.saved):
-            if owner.__dict__.get(name) is value:
+            if owner.__dict__.get(name) is not value:
+                continue
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
                 setattr(owner, name, original)
         self.saved = []
 
@@ -258,12 +306,19 @@ def patched() -> bool:
     return _patches is not None
 
 
+def watched() -> list[Watched]:
+    """The targets watched now (every installed target)."""
+    return [t for t, *_ in _targets.values()]
+
+
 def watch(target: Watched, modules: Iterable[nn.Module]) -> None:
-    """Mark ``target`` whenever one of ``modules`` changes (replacing an earlier watch)."""
+    """Mark ``target`` whenever one of ``modules`` or one of their parameters changes
+    (replacing an earlier watch)."""
     global _patches
     _forget(target)  # the wrappers stay: removing and installing them writes namespaces
     module_ids: list[int] = []
     dict_ids: list[int] = []
+    param_ids: list[int] = []
     for module in modules:
         key = id(module)
         if key in module_ids:
@@ -275,7 +330,11 @@ def watch(target: Watched, modules: Iterable[nn.Module]) -> None:
             if isinstance(d, dict):
                 dict_ids.append(id(d))
                 _hook_dicts.setdefault(id(d), []).append(target)
-    _targets[id(target)] = (target, module_ids, dict_ids)
+        for param in module.__dict__.get("_parameters", {}).values():
+            if param is not None and id(param) not in param_ids:
+                param_ids.append(id(param))
+                _params.setdefault(id(param), []).append(target)
+    _targets[id(target)] = (target, module_ids, dict_ids, param_ids)
     if _patches is None:
         _patches = _Patches()
         _patches.install()
@@ -294,8 +353,8 @@ def _forget(target: Watched) -> None:
     found = _targets.pop(id(target), None)
     if found is None:
         return
-    _, module_ids, dict_ids = found
-    for table, keys in ((_modules, module_ids), (_hook_dicts, dict_ids)):
+    _, module_ids, dict_ids, param_ids = found
+    for table, keys in ((_modules, module_ids), (_hook_dicts, dict_ids), (_params, param_ids)):
         for key in keys:
             targets = table.get(key)
             if targets is None:
@@ -303,42 +362,6 @@ def _forget(target: Watched) -> None:
             targets[:] = [t for t in targets if t is not target]
             if not targets:
                 del table[key]
-
-
-class DictVersions:
-    """The versions of a few dictionaries, compared per call (:meth:`moved`).
-
-    Holds the global namespaces and plain objects' ``__dict__`` that a target's
-    guards read (never one per module: modules are tracked by events). The
-    dictionaries are held weakly where they can be (a module's namespace is
-    held by the module itself).
-    """
-
-    __slots__ = ("dicts", "total")
-
-    def __init__(self, dicts: Iterable[dict[Any, Any]] = ()) -> None:
-        self.dicts: tuple[dict[Any, Any], ...] = ()
-        self.total = 0
-        self.reset(dicts)
-
-    def reset(self, dicts: Iterable[dict[Any, Any]] | None = None) -> None:
-        """Remember the current versions (of ``dicts``, when given)."""
-        if dicts is not None:
-            seen: dict[int, dict[Any, Any]] = {}
-            for d in dicts:
-                seen.setdefault(id(d), d)
-            self.dicts = tuple(seen.values())
-        self.total = sum(map(_dict_version, self.dicts))
-
-    def moved(self) -> bool:
-        """Whether any of the dictionaries was written since :meth:`reset`.
-
-        A write gives a dictionary a new version from one counter that only grows, so
-        the sum of the versions moves whenever one of them does (one pass in C)."""
-        return sum(map(_dict_version, self.dicts)) != self.total
-
-    def __len__(self) -> int:
-        return len(self.dicts)
 
 
 def owner_dict(obj: Any) -> dict[Any, Any] | None:
@@ -352,6 +375,13 @@ def owner_dict(obj: Any) -> dict[Any, Any] | None:
         return obj
     d = getattr(obj, "__dict__", None)
     return d if type(d) is dict else None
+
+
+def class_dict(cls: type) -> dict[Any, Any] | None:
+    """A class's real namespace, the dictionary behind its ``__dict__`` mapping proxy:
+    ``Net.GAIN = 2.0`` gives it a new version (None where it cannot be reached)."""
+    found = gc.get_referents(cls.__dict__)
+    return found[0] if len(found) == 1 and type(found[0]) is dict else None
 
 
 # Functions and bound methods: ``__dict__`` is the function's own attributes, not what

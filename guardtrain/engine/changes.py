@@ -10,7 +10,9 @@ a namespace version says that something a target reads may have changed:
   entry, no longer holds: **rebuild**;
 * no entry's kept assertions hold (a new scalar value, another ``training`` flag):
   Dynamo recompiles by itself with full guards: **leave the stance** (under the
-  stance; nothing to do outside it).
+  stance; nothing to do outside it);
+* the parameters' ``requires_grad`` moved (H42): **switch** to the code compiled for
+  the new pattern, kept from earlier (:mod:`guardtrain.compile.grads`), and check again.
 
 :func:`decide` returns ``(action, kind, reason)``; the engine acts on it, and
 :class:`ChangeLog` counts each kind for ``summary()["caught_changes"]``.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from guardtrain.compile import grad_change, grad_moved
 from guardtrain.fingerprints import fingerprint_change, module_fingerprint
 
 __all__ = ["Action", "Change", "ChangeLog", "decide"]
@@ -39,6 +42,8 @@ class Change(str, enum.Enum):
     """A hook added to or removed from a module, or a global module hook (H34)."""
     PARAMETERS = "parameters"
     """A parameter or buffer replaced by another object (H3, H35)."""
+    REQUIRES_GRAD = "requires_grad"
+    """A parameter's ``requires_grad`` flipped: frozen or unfrozen (H42)."""
 
 
 class Action(str, enum.Enum):
@@ -46,6 +51,8 @@ class Action(str, enum.Enum):
     """Forget the target's compiled entries: the next call compiles afresh."""
     LEAVE = "leave"
     """Leave the stance: the call runs with full guards and Dynamo recompiles."""
+    SWITCH = "switch"
+    """Run the code of the parameters' new ``requires_grad`` pattern (H42)."""
 
 
 def decide(target: Any, under_stance: bool) -> tuple[Action, Change, str] | None:
@@ -54,6 +61,8 @@ def decide(target: Any, under_stance: bool) -> tuple[Action, Change, str] | None
     Walks the module (its fingerprint) and evaluates its assertions: run only after
     an event or a moved version, never per call.
     """
+    if grad_moved(target):
+        return Action.SWITCH, Change.REQUIRES_GRAD, grad_change(target)
     if target.reference is not None:
         change = fingerprint_change(target.reference, module_fingerprint(target.module))
         if change is not None:

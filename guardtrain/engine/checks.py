@@ -161,6 +161,9 @@ def miss(label: str, miss: Miss, checking: str | None, paired: bool) -> tuple[Ch
         reason += ": no compiled entry that the stance would run accepts the call"
         written = miss.reason is MissReason.WRITTEN
         return (Change.GLOBALS if written else Change.MODULE_STATE), reason
+    if miss.reason is MissReason.NEW_PATTERN:
+        # Frozen or unfrozen into a pattern without entries (H42): counted as the switch.
+        return None, f"{label}: {reason}"
     if miss.reason is MissReason.UNACCEPTED and checking is None:
         # Turbo checks every call it would run directly (H30), not only unseen batches.
         reason = f"direct dispatch: no compiled entry of {label!r} accepts a call with full guards"

@@ -196,7 +196,7 @@ class GuardEngine(Reactions):
             raise
 
     def restore(self) -> None:
-        """Put back everything the run changed: stance, config, ``forward`` attributes."""
+        """Put back everything the run changed: config, the targets' ``forward``."""
         if not self.run.active:
             return
         self.run.active = False
@@ -211,7 +211,7 @@ class GuardEngine(Reactions):
         if not self.machine.collective or self.config.disabled:
             return
         gathered = self.host.agreement.gather(list(self.machine.rearms))
-        merged = [r for rank_rearms in gathered for r in (rank_rearms or [])]
+        merged = [r for rearms in gathered for r in (rearms or [])]
         self.run.all_rearms = sorted(merged, key=lambda r: (r["step"], r.get("rank", 0)))
 
     def finish(self) -> None:
@@ -269,6 +269,7 @@ class GuardEngine(Reactions):
         if loop in run.pending:
             run.pending.discard(loop)
             self._boundary_check(loop)
+        self.targets.batch_starts()  # the first call checks what events miss (H42)
         if self.machine.use_stance:
             state = self.machine.loops[loop]
             steady, check = self._signature_and_mode(loop, state, batch, training, warmed_training)
@@ -281,13 +282,13 @@ class GuardEngine(Reactions):
                     self.session.set_guard_collectives(self._paired() and run.entered_together)
             elif steady and self.host.sanity_checking():
                 steady = False
-            if steady is not self.session.stance_on:
+            if steady is not run.stance_on:
                 self._set_stance(steady)
             if check is not None and steady:
                 # The stance stays; each call first shows that an entry's guards
                 # accept its inputs, or leaves the stance before it runs (H26).
                 self._start_checking(check)
-        run.stance_at_start = self.session.stance_on
+        run.stance_at_start = run.stance_on
         run.compiles_at_batch = self.monitor.compiles
 
     def batch_end(self, loop: str) -> None:
@@ -305,15 +306,14 @@ class GuardEngine(Reactions):
             and state.warmed_once
             and m.use_stance
         ):
-            # PhaseMachine.batch_done for a steady training batch that compiled nothing,
-            # without the call (the per-step path). A steady step is one that ran under
-            # the stance (not a lookup window's batch with full guards, nor one that
-            # left the stance).
+            # PhaseMachine.batch_done for a steady training batch that compiled nothing, inline
+            # (the per-step path). A steady step ran under the stance throughout (not a
+            # lookup window's batch with full guards, nor one that left the stance).
             state.batches += 1
             state.since_compile += 1
-            m.steady_steps += run.stance_at_start and self.session.stance_on  # 1: a steady step
+            m.steady_steps += run.stance_at_start and run.stance_on  # 1: a steady step
         else:
-            m.batch_done(loop, compiled, run.stance_at_start and self.session.stance_on)
+            m.batch_done(loop, compiled, run.stance_at_start and run.stance_on)
         if compiled:
             self._after_compile()
         if run.probe is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from guardtrain.compile import CompiledTarget, Miss
+from guardtrain.compile import CompiledTarget, Miss, grad_change, grad_moved, use_grad_variant
 from guardtrain.engine import breaks as _breaks
 from guardtrain.engine import checks, decisions
 from guardtrain.engine.changes import Action, Change, ChangeLog
@@ -61,6 +61,9 @@ class RunState:
     """Per loop: recognises a batch with the previous batch's signature (the steady path)."""
     probe: str | None = None
     """The loop whose current batch probes an unseen signature with full guards."""
+    stance_on: bool = False
+    """The current batch is steady: each target call runs under the stance, set for that
+    call alone (H41), or directly (turbo)."""
     stance_at_start: bool = False
     """The stance was on when the current training batch started."""
     changes: int = 0
@@ -112,6 +115,12 @@ class Acts:
             # rank runs together.
             return
         found = checks.caught_change(target, run.swaps_parameters)
+        if found is not None and found[0] is Action.SWITCH:
+            # Frozen or unfrozen (H42): the code of the new pattern, kept from its last
+            # use, is checked like any other before it runs.
+            self._caught(found[1], f"{self._label(target)}: {found[2]} ({note})")
+            use_grad_variant(target)
+            found = checks.caught_change(target, run.swaps_parameters)
         if found is None:
             return
         action, kind, reason = found
@@ -158,9 +167,15 @@ class Acts:
         return flag
 
     def _set_stance(self, on: bool) -> None:
-        if self.session.set_stance(on):
-            for target in self.targets.installed:
-                target.set_under_stance(on)
+        """The steady state starts or ends for the targets' calls. Torch's stance itself
+        is set by each steady call around its own compiled call, never here (H41)."""
+        run = self.run
+        if on == run.stance_on or (on and not self.session.active):
+            return
+        run.stance_on = on
+        stances = self.session.stances
+        for target in self.targets.installed:
+            target.set_under_stance(on, stances)
 
     def _rearm(self, loop: str | None, reason: str) -> None:
         run = self.run
@@ -353,6 +368,9 @@ class Reactions(Acts):
         ``loop`` leaves the stance when no entry's kept guards hold."""
         rebuild: list[tuple[CompiledTarget, str]] = []
         for target in self.targets.installed:
+            if grad_moved(target):  # every rank at once, also with paired calls (H42)
+                self._caught(Change.REQUIRES_GRAD, f"{self._label(target)}: {grad_change(target)}")
+                use_grad_variant(target)
             found = self.checks.boundary(target, self._label(target), self.run.swaps_parameters)
             if found is None:
                 continue

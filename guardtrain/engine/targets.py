@@ -74,6 +74,12 @@ class TargetSet:
     full_guard_calls: int = 0
     """Calls with full guards under the stance by targets no longer in the run."""
 
+    def batch_starts(self) -> None:
+        """Before a batch: each target's next call is the batch's first, which checks the
+        parameters' ``requires_grad`` that no event sees (H42)."""
+        for target in self.installed:
+            target.first_call = True
+
     def next_run(self, config: GuardConfig, levers: Levers) -> TargetSet:
         """A fresh set for the next run (with the run's ``config``, which an adapter may
         have replaced since), with the kept targets and the take-over note."""

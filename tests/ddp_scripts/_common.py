@@ -179,7 +179,10 @@ def guard_collectives_hook_installed() -> bool:
 
 
 def stance_on() -> bool:
-    return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+    """Whether guardtrain's targets are steady (their calls set the stance for themselves)."""
+    from guardtrain.compile import steady_now
+
+    return steady_now()
 
 
 class Probe(L.Callback):

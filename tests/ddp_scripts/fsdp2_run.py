@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from guardtrain import GuardTuner
+from guardtrain.compile import steady_now
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import turbo_everywhere
@@ -125,7 +126,7 @@ def train(args: argparse.Namespace, rank: int, setup: Any) -> dict[str, Any]:
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-            stance.append("1" if torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe else "0")
+            stance.append("1" if steady_now() else "0")
             ref = loss_fn(twin(x), y)
             ref.backward()
             twin_opt.step()

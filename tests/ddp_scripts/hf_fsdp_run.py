@@ -31,7 +31,10 @@ import torch
 
 
 def stance_on() -> bool:
-    return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+    """Whether guardtrain's targets are steady (their calls set the stance for themselves)."""
+    from guardtrain.compile import steady_now
+
+    return steady_now()
 
 
 def force_fsdp_on_the_cpu() -> str:
