@@ -29,11 +29,13 @@ class GuardTuneCallback(EngineView, Callback):
 
     The callback compiles its targets in place when the run starts (after the
     strategy placed the model), counts Dynamo compilations while each loop warms
-    up, then runs that loop under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``
-    (presets ``balanced`` and ``aggressive``). Whenever the inputs or the model
-    differ from what was warmed, the loop goes back to full guards (a *re-arm*)
-    and the reason is recorded. At the end of the run everything it changed is
-    restored: the stance, Dynamo's config, and the modules' ``forward``.
+    up, then makes that loop steady (presets ``balanced``, ``aggressive`` and
+    ``turbo``): each target call sets ``skip_guard_eval_unsafe`` around its own
+    compiled call and puts the stance back after it (H41), so the loss, the optimizer
+    step and every other compiled function run with full guards. Whenever the inputs or
+    the model differ from what was warmed, the loop goes back to full guards (a
+    *re-arm*) and the reason is recorded. At the end of the run everything it changed
+    is restored: Dynamo's config, the patched classes, and the modules' ``forward``.
 
     What is checked when:
 
@@ -43,8 +45,9 @@ class GuardTuneCallback(EngineView, Callback):
       unseen signature leaves the stance *before* the step runs.
     * **at loop and epoch boundaries** (in the first batch-start hook of the loop,
       after every other callback's epoch-start hook), and every ``audit_every``
-      batches: identity, ``requires_grad``, dtype, device and shape of every
-      parameter and buffer of each target, the hooks of every submodule, and
+      batches: identity, dtype, device and shape of every parameter and buffer of
+      each target (a parameter's ``requires_grad`` picks the code compiled for it,
+      H42), the hooks of every submodule, and
       every constant, identity, type and hook guard Dynamo built on module
       attributes (``dropout.p``, BatchNorm ``momentum``, a float read in
       ``forward``). A change a dropped guard would have caught rebuilds the target
@@ -52,8 +55,9 @@ class GuardTuneCallback(EngineView, Callback):
     * **in each compiled call under the stance**: the call's ``(training, grad
       mode, inference mode, autocast)`` must be a combination compiled with full
       guards (the stance does not check ``training``, H1), else the stance is left
-      first; a cache miss (H4) leaves the stance and retries the call once with
-      full guards. Dynamo raises before the frame runs, and targets with graph
+      first; a call the stance cannot pick an entry for, where one exists, runs with
+      full guards alone (H44); a cache miss (H4) leaves the stance and retries the
+      call once with full guards. Dynamo raises before the frame runs, and targets with graph
       breaks keep every guard and never use the stance, so no part of a step runs
       twice. With ``targets=None`` a target that breaks the graph is replaced by
       its parts (H20).

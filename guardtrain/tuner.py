@@ -123,17 +123,19 @@ class GuardTuner(EngineView):
 
     The same engine as :class:`~guardtrain.GuardTuneCallback`, for loops you write
     yourself. Entering the ``with`` block compiles the targets in place; leaving it
-    restores everything (the model's ``forward``, the stance, Dynamo's config), also
-    after an exception.
+    restores everything (the model's ``forward``, Dynamo's config, the patched
+    classes), also after an exception.
 
     Rules:
 
     * ``tuner.step(batch)`` runs the per-batch checks on entry (the batch signature,
       the model's ``training`` flag against the value the loop warmed up with, the
-      boundary re-check on the first step after any ``tuner.loop``) and sets the
-      stance before your code runs; on exit it counts compiles and decides entry.
-    * The stance stays set between the steps of a steady loop: other compiled code
-      you run between steps runs under it too and must be warm.
+      boundary re-check on the first step after any ``tuner.loop``) and decides whether
+      the step is steady before your code runs; on exit it counts compiles and decides
+      entry.
+    * In a steady step each call of a target sets the stance around its own compiled
+      call and puts it back (H41): your loss, the optimizer step (also one you compiled
+      yourself) and any compiled code between steps run with full guards.
     * GuardTuner never calls ``train()``/``eval()`` and never changes grad mode. A
       call whose ``(training, grad, inference mode, autocast)`` combination was not
       warmed up leaves the stance before it runs.

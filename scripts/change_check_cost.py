@@ -1,43 +1,62 @@
-"""What the per-call change checks cost under the stance (H32, H33), part by part, in ns.
+"""What the per-call path costs under the stance (H32, H33, H41, H42), part by part, in ns.
 
-Brings a target to the steady state with ``aggressive`` (eager backend) and times,
-on the call's own arguments, each check that issue 17 added to a steady call:
+Brings a target to the steady state with ``aggressive`` (eager backend) and times, on
+the call's own arguments, each check a steady call makes before its compiled call:
 
-* ``changed``: the event flag that module assignments and hooks set (one read);
-* ``versions``: the dictionary versions of the globals and plain objects that
-  the target's guards read (:class:`guardtrain.compile.watch.DictVersions`);
-* ``key``: the argument key (:func:`guardtrain.compile.call_key`) and its
-  comparison with the previous call's, mode included.
+* ``changed``: the event flag that module assignments, hooks and a parameter's
+  ``requires_grad`` set, and the batch's first-call flag (two reads);
+* ``polled``: the dictionaries (global namespaces, plain objects, classes) and lists
+  that the target's guards read (:class:`guardtrain.compile.polled.Polled`), with how
+  many of each;
+* ``key``: the argument key (the target's key function: a repeated key's own one,
+  :mod:`guardtrain.compile.repeat`, else :func:`guardtrain.compile.call_key`) and its
+  comparison with the previous call's, mode included;
+* ``stance``: setting the stance around the compiled call and putting it back, as the
+  steady path does (H41);
+* ``whole``: one whole steady call through the installed ``forward`` with the compiled
+  call stubbed (it returns a fixed output), minus the same call of a plain module that
+  returns that output: everything guardtrain adds to a call.
 
-Two targets: one ``Linear`` called with one tensor and three plain arguments
-(an int, a float, a str), and a 49-module stack (24 ``Linear`` and 24 ``ReLU``)
-called with one tensor: no per-call part may grow with the number of modules.
-Medians of 7 repeats, minus an empty loop. Usage::
+Two targets: one ``Linear`` called with one tensor and three plain arguments (an int,
+a float, a str) that also reads a class attribute and a list attribute, and a
+49-module stack (24 ``Linear`` and 24 ``ReLU``) called with one tensor: no per-call
+part may grow with the number of modules. Medians of 7 repeats, minus an empty loop.
+``--opcodes`` also counts the Python opcodes that one steady call executes in
+guardtrain's frames (``aggressive`` and ``turbo``, compiled call stubbed for
+``aggressive``), which does not depend on the machine's load. Usage::
 
-    .venv/bin/python scripts/change_check_cost.py
+    .venv/bin/python scripts/change_check_cost.py [--opcodes]
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
 from direct_check_cost import per_call  # scripts/ is on sys.path when run as a script
 from torch import nn
 
+import guardtrain
 from guardtrain import GuardTuner
-from guardtrain import compile as gc
 
 SCALE = 1.0
+_eval_frame = torch._dynamo.eval_frame
 
 
 class Small(nn.Module):
+    GAIN = 1.0
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
+        self.scales = [1.0]
 
     def forward(self, x: torch.Tensor, k: int, t: float, flag: str) -> torch.Tensor:
-        out = self.lin(x) * k * t * SCALE
+        out = self.lin(x) * k * t * SCALE * self.GAIN * self.scales[0]
         return out + 1 if flag == "b" else out
 
 
@@ -53,71 +72,173 @@ class Stack(nn.Module):
         return self.layers(x) * SCALE
 
 
-def measure(model: nn.Module, args: tuple[Any, ...]) -> dict[str, float]:
+def steady_tuner(model: nn.Module, args: tuple[Any, ...], preset: str) -> GuardTuner:
+    tuner = GuardTuner(
+        model,
+        preset=preset,
+        compile_kwargs={"backend": "eager"},
+        warmup_steps=2,
+        stable_steps=2,
+        audit_every=None,
+        measure_lookup=False,
+    )
+    tuner.__enter__()
     x = args[0]
-    with (
-        GuardTuner(
-            model,
-            preset="aggressive",
-            compile_kwargs={"backend": "eager"},
-            warmup_steps=2,
-            stable_steps=2,
-            audit_every=None,
-        ) as tuner,
-        torch.no_grad(),
-    ):
+    with torch.no_grad():
         for _ in range(8):
             with tuner.step((x,)):
                 model(*args)
-        assert tuner.phase == "steady", tuner.summary()
-        target = model.forward._guardtrain_target  # type: ignore[union-attr]
-        with tuner.step((x,)):
-            model(*args)  # the last key is this call's
-        mode = (model.training, torch.is_grad_enabled(), False, False)
-        kwargs: dict[str, Any] = {}
-        versions = target.versions
+    assert tuner.phase == "steady", tuner.summary()
+    return tuner
 
-        def empty() -> None:
-            pass
 
-        def changed() -> None:
-            if target.changed:
+def measure(model: nn.Module, args: tuple[Any, ...]) -> dict[str, float]:
+    tuner = steady_tuner(model, args, "aggressive")
+    try:
+        with torch.no_grad():
+            x = args[0]
+            target = model.forward._guardtrain_target  # type: ignore[union-attr]
+            with tuner.step((x,)):
+                out = model(*args)  # the last key is this call's
+            mode = (model.training, torch.is_grad_enabled(), False, False)
+            kwargs: dict[str, Any] = {}
+            versions = target.versions
+            plain, unsafe = target.plain_stance, target.unsafe_stance
+            is_compiling = torch.compiler.is_compiling
+
+            def empty() -> None:
                 pass
 
-        def moved() -> None:
-            versions.moved()
+            def changed() -> None:
+                if target.first_call:
+                    pass
+                if target.changed:
+                    pass
 
-        def key() -> None:
-            found = gc.call_key(args, kwargs)
-            assert found is not None
-            if found[0] != target.last_key or mode != target.last_mode:
-                raise AssertionError("the key should match the last call's")
+            def polled() -> None:
+                versions.moved()
 
-        base = per_call(empty)
-        return {
-            "changed": per_call(changed) - base,
-            "versions": per_call(moved) - base,
-            "dicts": float(len(versions)),
-            "key": per_call(key) - base,
-        }
+            key_of = target.key_of  # call_key, or the repeated key's own function
+
+            def key() -> None:
+                found = key_of(args, kwargs)
+                assert found is not None
+                if found[0] != target.last_key or mode != target.last_mode:
+                    raise AssertionError("the key should match the last call's")
+
+            def stance() -> None:
+                previous = _eval_frame._stance
+                if previous is not plain or is_compiling():
+                    raise AssertionError("the stance should be the run's plain one")
+                _eval_frame._stance = unsafe
+                try:
+                    pass
+                finally:
+                    _eval_frame._stance = previous
+
+            class Plain(nn.Module):
+                def forward(self, *a: Any) -> torch.Tensor:
+                    return out
+
+            stub = Plain()
+            compiled = target.compiled
+            target.compiled = lambda *a, **k: out
+            try:
+
+                def whole() -> None:
+                    model(*args)
+
+                def plain_call() -> None:
+                    stub(*args)
+
+                whole_ns = per_call(whole) - per_call(plain_call)
+            finally:
+                target.compiled = compiled
+            base = per_call(empty)
+            classes = sum(1 for d in versions.dicts if "__module__" in d)  # a class's namespace
+            return {
+                "changed": per_call(changed) - base,
+                "polled": per_call(polled) - base,
+                "dicts": float(len(versions.dicts) - classes),
+                "classes": float(classes),
+                "lists": float(len(versions.lists)),
+                "key": per_call(key) - base,
+                "stance": per_call(stance) - base,
+                "whole": whole_ns,
+            }
+    finally:
+        tuner.__exit__(None, None, None)
+
+
+def opcodes(model: nn.Module, args: tuple[Any, ...], preset: str) -> tuple[int, int, Counter]:
+    """``(frames, opcodes, by opcode name)`` executed in guardtrain's frames by one steady
+    call (the compiled call stubbed for ``aggressive``, turbo's direct entry run as is)."""
+    import dis
+
+    root = str(Path(guardtrain.__file__).parent)
+    tuner = steady_tuner(model, args, preset)
+    counts: Counter = Counter()
+    frames = [0]
+    try:
+        with torch.no_grad():
+            target = model.forward._guardtrain_target  # type: ignore[union-attr]
+            with tuner.step((args[0],)):
+                out = model(*args)
+                if preset != "turbo":
+                    target.compiled = lambda *a, **k: out
+
+                def trace(frame: Any, event: str, arg: Any) -> Any:
+                    if not frame.f_code.co_filename.startswith(root):
+                        return None
+                    if event == "call":
+                        frames[0] += 1
+                        frame.f_trace_opcodes = True
+                    elif event == "opcode":
+                        counts[dis.opname[frame.f_code.co_code[frame.f_lasti]]] += 1
+                    return trace
+
+                sys.settrace(trace)
+                try:
+                    model(*args)
+                finally:
+                    sys.settrace(None)
+    finally:
+        tuner.__exit__(None, None, None)
+    return frames[0], sum(counts.values()), counts
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--opcodes", action="store_true", help="count opcodes per steady call")
+    options = ap.parse_args()
     torch.manual_seed(0)
     rows = [
-        ("Linear, 1 tensor + int, float, str", Small(), (torch.randn(4, 8), 3, 0.5, "a")),
-        ("49 modules, 1 tensor", Stack(), (torch.randn(4, 8),)),
+        ("Linear, 1 tensor + int, float, str", Small, (torch.randn(4, 8), 3, 0.5, "a")),
+        ("49 modules, 1 tensor", Stack, (torch.randn(4, 8),)),
     ]
     print(f"torch {torch.__version__}; ns per call (median of 7, minus an empty loop)")
-    print("| target | changed flag | versions (dicts) | argument key | total |")
-    print("|---|---|---|---|---|")
-    for label, model, args in rows:
-        r = measure(model, args)
-        total = r["changed"] + r["versions"] + r["key"]
+    print(
+        "| target | flags | polled (dicts, classes, lists) | argument key | stance | "
+        "sum | whole call |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for label, make, args in rows:
+        r = measure(make(), args)
+        total = r["changed"] + r["polled"] + r["key"] + r["stance"]
         print(
-            f"| {label} | {r['changed']:.0f} | {r['versions']:.0f} ({r['dicts']:.0f}) | "
-            f"{r['key']:.0f} | {total:.0f} |"
+            f"| {label} | {r['changed']:.0f} | {r['polled']:.0f} ({r['dicts']:.0f}, "
+            f"{r['classes']:.0f}, {r['lists']:.0f}) | {r['key']:.0f} | {r['stance']:.0f} | "
+            f"{total:.0f} | {r['whole']:.0f} |"
         )
+    if options.opcodes:
+        print("\n| target | preset | frames | opcodes | LOAD_ATTR | CALL |")
+        print("|---|---|---|---|---|---|")
+        for label, make, args in rows:
+            for preset in ("aggressive", "turbo"):
+                n_frames, n, by = opcodes(make(), args, preset)
+                print(
+                    f"| {label} | {preset} | {n_frames} | {n} | {by['LOAD_ATTR']} | {by['CALL']} |"
+                )
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def _reset_globals() -> None:
     global GAIN, ACT
     GAIN = 1.0
     ACT = relu_act
+    ClassGain.GAIN = 1.0
 
 
 # -- the modules -----------------------------------------------------------------------------
@@ -199,6 +200,48 @@ class GlobalFunction(Base):
         return self.lin2(ACT(self.lin1(x)))
 
 
+class ListScale(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales = [1.0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scales[0]
+
+
+class ListBlocks(Base):
+    """``self.active`` (a plain list) picks the blocks that run after ``lin1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.active = [0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.lin1(x))
+        for i in self.active:
+            h = torch.tanh(self.blocks[i](h))
+        return self.lin2(h)
+
+
+class ClassGain(Base):
+    GAIN = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.GAIN
+
+
+class FrozenFirst(Base):
+    """``lin1`` frozen from the start (a backbone to unfreeze)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 # -- the cases -------------------------------------------------------------------------------
 
 
@@ -237,6 +280,16 @@ class Case:
     """The change, made between two steps."""
     from_first_call: bool = False
     """The change is made by the first call itself (count every call)."""
+    backend: str = "eager"
+    """``aot_eager`` where the eager backend would hide a stale entry (H43)."""
+    grads: bool = False
+    """A call is also stale when its parameters' gradients differ from eager's (which
+    got one, and its value)."""
+    user: str | None = None
+    """The user's own compiled code called after each call (H41): ``"loss weight"``, a
+    compiled function given a weight that changes from the change on (stale when it
+    differs from eager); ``"optimizer step"``, PyTorch's compiled-optimizer recipe
+    (Adam and a scheduler): a run it raises in is ``error``."""
 
 
 _EXTRA = torch.full((8,), 0.25)
@@ -326,6 +379,52 @@ CASES: tuple[Case, ...] = (
         "module global `ACT` relu -> tanh",
         GlobalFunction,
         apply=_swap_act,
+    ),
+    Case(
+        "list item in place",
+        "`self.scales[0] = 2.0`",
+        ListScale,
+        apply=lambda m: m.scales.__setitem__(0, 2.0),
+    ),
+    Case(
+        "list appended",
+        "`self.active.append(1)`: a second block runs",
+        ListBlocks,
+        apply=lambda m: m.active.append(1),
+    ),
+    Case(
+        "class attribute",
+        "`ClassGain.GAIN = 2.0`",
+        ClassGain,
+        apply=lambda m: setattr(ClassGain, "GAIN", 2.0),
+    ),
+    Case(
+        "unfrozen layer",
+        "`lin1.requires_grad_(True)` (aot_eager, gradients compared)",
+        FrozenFirst,
+        apply=lambda m: m.lin1.requires_grad_(True),
+        backend="aot_eager",
+        grads=True,
+    ),
+    Case(
+        "frozen layer",
+        "`lin1.weight.requires_grad = False` (aot_eager, gradients compared)",
+        Plain,
+        apply=lambda m: setattr(m.lin1.weight, "requires_grad", False),
+        backend="aot_eager",
+        grads=True,
+    ),
+    Case(
+        "user's compiled loss weight",
+        "the user's `torch.compile(f)(out, w)`, `w` 1.0, then 0.9, 0.81, ...",
+        Plain,
+        user="loss weight",
+    ),
+    Case(
+        "user's compiled optimizer step",
+        "`@torch.compile` over Adam's `step()` and a scheduler's",
+        Plain,
+        user="optimizer step",
     ),
 )
 CASE_NAMES = tuple(c.name for c in CASES)
@@ -436,24 +535,61 @@ def run_case(
         torch.manual_seed(0)
         model = case.build()
         model.train()
+        _, optimizer_step = _optimizer(case, model, steps)
+        with _compiled(model, config, case.backend) as (step_context, after_warmup):
+            return _loop(
+                config, case, model, optimizer_step, step_context, after_warmup, steps, change_at
+            )
+
+
+def _optimizer(case: Case, model: nn.Module, steps: int) -> tuple[Any, Callable[[], None]]:
+    """The optimizer and the step the loop calls: SGD's own, or PyTorch's compiled-optimizer
+    recipe (the user's code, compiled in every column) for the ``optimizer step`` case."""
+    if case.user != "optimizer step":
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        with _compiled(model, config) as (step_context, after_warmup):
-            return _loop(config, case, model, opt, step_context, after_warmup, steps, change_at)
+
+        def sgd_step() -> None:
+            opt.step()
+            opt.zero_grad()
+
+        return opt, sgd_step
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LinearLR(adam, total_iters=steps)
+
+    @torch.compile(backend="aot_eager")
+    def compiled_step() -> None:
+        adam.step()
+        sched.step()
+
+    def adam_step() -> None:
+        compiled_step()
+        adam.zero_grad()
+
+    return adam, adam_step
+
+
+def _weighted(out: torch.Tensor, w: float) -> torch.Tensor:
+    """The user's loss weight (``loss weight``); compiled by the user in every column."""
+    return out * w
+
+
+def _weight(after: int) -> float:
+    return 1.0 if after < 0 else round(0.9 ** (after + 1), 6)
 
 
 @contextlib.contextmanager
 def _compiled(
-    model: nn.Module, config: str
+    model: nn.Module, config: str, backend: str = "eager"
 ) -> Iterator[tuple[Callable[[Any], Any], Callable[[int], None]]]:
     """Compile ``model`` in place for ``config``: (the per-step context, a per-step hook)."""
     if config == "torch.compile":
-        model.compile(backend="eager")
+        model.compile(backend=backend)
         yield (lambda batch: contextlib.nullcontext()), (lambda step: None)
         return
     if config == "guide recipe":
         torch._dynamo.config.install_free_tensors = True
         filter_fn = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        model.compile(backend="eager", options={"guard_filter_fn": filter_fn})
+        model.compile(backend=backend, options={"guard_filter_fn": filter_fn})
 
         def after_step(step: int) -> None:
             if step + 1 == WARMUP:
@@ -464,7 +600,7 @@ def _compiled(
     from guardtrain import GuardTuner
 
     tuner = GuardTuner(
-        model, preset=config, compile_kwargs={"backend": "eager"}, warmup_steps=2, stable_steps=2
+        model, preset=config, compile_kwargs={"backend": backend}, warmup_steps=2, stable_steps=2
     )
     with tuner:
         yield tuner.step, (lambda step: None)
@@ -474,7 +610,7 @@ def _loop(
     config: str,
     case: Case,
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    optimizer_step: Callable[[], None],
     step_context: Callable[[Any], Any],
     after_step: Callable[[int], None],
     steps: int,
@@ -483,6 +619,7 @@ def _loop(
     result = Result(config)
     forward = type(model).forward
     first = 0 if case.from_first_call else change_at
+    user_fn = torch.compile(_weighted, backend="aot_eager")
     for step, x in enumerate(_batches(steps)):
         if step == change_at and not case.from_first_call:
             result.stance_at_change = _stance_on()
@@ -494,18 +631,23 @@ def _loop(
         with torch.no_grad():
             ref = forward(model, x, *args, **kwargs)
         state.restore()
+        ref_grads = _reference_grads(model, forward, x, args, kwargs, seed) if case.grads else None
         with step_context((x,)):
             torch.manual_seed(seed)
             try:
                 out = model(x, *args, **kwargs)
+                stale = not _same(out.detach(), ref)
+                if case.user == "loss weight":
+                    w = _weight(step - change_at)
+                    stale |= not _same(user_fn(out.detach(), w), _weighted(ref, w))
+                out.sum().backward()
+                if ref_grads is not None:
+                    stale |= not _same_grads(model, ref_grads)
+                optimizer_step()  # the user's code between two target calls (H41)
             except Exception as err:  # a miss under the stance, say
                 result.error = f"step {step}: {type(err).__name__}: {_first_line(err)}"
                 return result
-            out.sum().backward()
-            opt.step()
-            opt.zero_grad()
         after_step(step)
-        stale = not _same(out.detach(), ref)
         if step >= first:
             result.calls += 1
             if stale:
@@ -516,6 +658,27 @@ def _loop(
     if case.from_first_call:
         result.stance_at_change = None
     return result
+
+
+def _reference_grads(
+    model: nn.Module, forward: Any, x: torch.Tensor, args: Any, kwargs: Any, seed: int
+) -> list[torch.Tensor | None]:
+    """Eager's gradient of every parameter (None where it requires none) for this step."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    state = _State(model)
+    torch.manual_seed(seed)
+    out = forward(model, x, *args, **kwargs)
+    found = iter(torch.autograd.grad(out.sum(), trainable, allow_unused=True))
+    state.restore()
+    return [next(found) if p.requires_grad else None for p in params]
+
+
+def _same_grads(model: nn.Module, ref: list[torch.Tensor | None]) -> bool:
+    for p, g in zip(model.parameters(), ref):
+        if (p.grad is None) != (g is None) or (g is not None and not _same(p.grad, g)):
+            return False
+    return True
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -590,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"Stale calls out of the calls from the change on (step {ns.change_at} of "
         f"{ns.steps}), {datetime.date.today().isoformat()}, torch {torch.__version__}, "
-        f"guardtrain {guardtrain.__version__}, backend eager, "
+        f"guardtrain {guardtrain.__version__}, backend eager (aot_eager for `requires_grad`), "
         f"{time.perf_counter() - start:.0f} s.\n"
     )
     if progress is not None:

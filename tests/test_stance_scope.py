@@ -311,3 +311,25 @@ def test_a_stance_the_user_sets_is_left_as_it_is() -> None:
     assert torch.equal(out, net(xs[0]))
     assert summary["full_guard_calls"] >= 1
     assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+def test_a_new_stance_object_equal_to_the_runs_is_treated_as_it() -> None:
+    """``with set_stance("default")`` makes a new stance object equal to the one the run
+    started under: steady calls still run under the stance (no full-guard calls), and the
+    user's object is what is there after each call."""
+    torch.manual_seed(0)
+    net = Net()
+    xs = [torch.randn(4, 8) for _ in range(8)]
+    with guard_tuner(net, "aggressive", measure_lookup=False, **WARMUP) as tuner:
+        for x in xs:
+            with tuner.step((x,)):
+                net(x)
+        before = tuner.summary()["full_guard_calls"]
+        with torch.compiler.set_stance("default"):
+            mine = torch._dynamo.eval_frame._stance
+            with tuner.step((xs[0],)):
+                out = net(xs[0])
+            assert torch._dynamo.eval_frame._stance is mine
+        assert tuner.summary()["full_guard_calls"] == before
+        assert tuner.phase == "steady"
+    assert torch.equal(out, net(xs[0]))

@@ -19,10 +19,10 @@ Configurations:
   a :class:`~guardtrain.engine.engine.GuardEngine` set up as for a run): one
   :class:`~guardtrain.compile.CompiledTarget` per target with the preset's
   filter and soundness floor and ``install_free_tensors``; Dynamo config values
-  and (``use_stance``) ``skip_guard_eval_unsafe`` set through a
-  :class:`~guardtrain.engine.session.StanceSession` only while the
-  configuration runs; the stance entered after warm-up unless
-  :func:`guardtrain.engine.decisions.blocker` says no, with the targets'
+  set through a :class:`~guardtrain.engine.session.StanceSession` only while the
+  configuration runs; after warm-up (``use_stance``) the targets steady unless
+  :func:`guardtrain.engine.decisions.blocker` says no: each call sets
+  ``skip_guard_eval_unsafe`` around its own compiled call (H41), with the targets'
   per-call ``training`` check and miss handler on.
 * ``turbo``: run by a whole :class:`~guardtrain.engine.engine.GuardEngine`
   (:class:`~guardtrain.bench.runner.EngineRunner`), not only with its levers:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils import _python_dispatch
 
 __all__ = [
+    "ONE_TENSOR",
     "PLAIN_TYPES",
     "CallMode",
     "call_key",
@@ -75,7 +76,8 @@ def unambiguous_modes(modes: set[CallMode]) -> set[CallMode]:
 PLAIN_TYPES: tuple[type, ...] = (bool, int, float, str, type(None), torch.dtype, torch.device)
 """Argument types a key holds by value (beside the structure and the tensors)."""
 _PLAIN_KINDS = frozenset(PLAIN_TYPES)
-_ONE_TENSOR: tuple[Any, ...] = (1, torch.Tensor)
+ONE_TENSOR: tuple[Any, ...] = (1, torch.Tensor)
+"""The key of a call with one tensor and nothing else (``net(x)``), one object."""
 _Tensor = torch.Tensor
 
 
@@ -110,7 +112,7 @@ def call_key(
     an argument is something else (a module, a custom object): that call is not
     dispatched directly."""
     if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
-        return _ONE_TENSOR, args  # type: ignore[return-value]  # `net(x)`, the common call
+        return ONE_TENSOR, args  # type: ignore[return-value]  # `net(x)`, the common call
     key: list[Any] = [len(args)]
     tensors: list[torch.Tensor] = []
     for value in args:

@@ -146,7 +146,7 @@ class TargetCode:
     def variant(self, pattern: tuple[bool, ...]) -> TargetCode:
         """The code of this family for the parameters' ``requires_grad`` pattern
         ``pattern``, made (without members: the caller adds one and calls
-        :meth:`rebuild`) when there is none yet (H42).
+        :meth:`fresh`) when there is none yet (H42).
 
         Each pattern has code of its own, so the entries of one code never differ in the
         parameters' ``requires_grad``: the stance, which does not check parameters, and
@@ -380,9 +380,9 @@ def structure_key(module: nn.Module, func: Any = None) -> tuple[Any, ...]:
 
     The class and its ``forward``; every submodule's name and class; every parameter's
     and buffer's name, dtype, device and shape, and a buffer's ``requires_grad`` (a
-    parameter's picks the code's variant, H42); the hooks (by identity); and each submodule's other public
-    attributes: a plain tensor's metadata, a function's identity, a dtype's,
-    device's or enum's value, any other object's type. A guard filter may drop
+    parameter's picks the code's variant, H42); the hooks (by identity); and each
+    submodule's other public attributes: a plain tensor's metadata, a function's
+    identity, a dtype's, device's or enum's value, any other object's type. A guard filter may drop
     the guards on these, so an instance that differed in one of them would run
     another's graph. Scalar attributes need not match: their guards are kept
     (H19), so a differing value compiles an entry of its own. What an object

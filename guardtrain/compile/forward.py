@@ -42,6 +42,7 @@ from guardtrain.compile.grads import moved as grad_moved
 from guardtrain.compile.harvest import direct_entry
 from guardtrain.compile.miss import Miss, MissReason
 from guardtrain.compile.options import is_stance_miss
+from guardtrain.compile.repeat import repeat_key
 from guardtrain.compile.stances import NO_STANCE
 from guardtrain.compile.state import TargetState
 from guardtrain.compile.trampoline import compiling_frame
@@ -102,14 +103,18 @@ def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     """A call in the steady state: under the stance, set for this call alone (H41), or
     directly (turbo); ``_NOT_RUN`` when it left the stance instead (the caller then runs
     it with full guards)."""
-    code, module = target.code, target.module
+    module = target.module
     mode = (module.training, is_grad_enabled(), is_inference(), any_autocast())
-    found = call_key(args, kwargs)
+    found = target.key_of(args, kwargs)  # call_key, or one made for a repeated key
     if found is None:
         return with_full_guards(target, args, kwargs)  # no key describes the arguments
     key, tensors = found
-    if key == target.last_key and mode == target.last_mode and mode in code.stance_modes:
-        verdict = ADMITTED  # the last admitted call's arguments and mode (most calls)
+    if key == target.last_key and mode == target.last_mode:
+        # The last admitted call's arguments and mode (most calls). Only a mode the stance
+        # may serve is ever admitted, and a compile, a rebuild or another code forgets it.
+        verdict = ADMITTED
+        if target.key_of is call_key:
+            target.key_of = repeat_key(key, args, kwargs)  # a repeat: recognise it fast
     else:
         verdict = _verdict(target, mode, key, args, kwargs)
         if verdict is MISSED:
@@ -130,9 +135,12 @@ def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     # it, also when the call raises. Never written while Dynamo traces this wrapper,
     # nor over a stance the user set.
     previous = _eval_frame._stance
+    unsafe = target.unsafe_stance
     if previous is not target.plain_stance or _is_compiling():
-        return _not_our_stance(target, previous, args, kwargs)
-    _eval_frame._stance = target.unsafe_stance
+        unsafe = _other_stance(target, previous)
+        if unsafe is None:
+            return _not_our_stance(target, args, kwargs)
+    _eval_frame._stance = unsafe
     try:
         return target.compiled(*args, **kwargs)
     except RuntimeError as err:
@@ -153,6 +161,7 @@ def _verdict(
     (:func:`~guardtrain.compile.accept.admit`'s verdicts); on :data:`MISSED` the call has
     left the stance."""
     code = target.code
+    target.key_of = call_key  # another key: no fast recognition until it repeats
     if mode in code.stance_modes:
         if target.retry_eagerly:
             # With guard collectives a check on this rank alone would break the pairing
@@ -191,26 +200,24 @@ def _directly(
     return _NOT_DIRECT if target.under_stance else _NOT_RUN
 
 
-def _not_our_stance(
-    target: TargetState, previous: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """A steady call that finds another stance than the one the run started under.
+def _other_stance(target: TargetState, previous: Any) -> Any:
+    """The stance to set for a steady call that finds another stance object than the one
+    the run started under: one equal to the run's (``with set_stance("default")`` makes a
+    new object) is treated as it; None when nothing may be written (:func:`_not_our_stance`)."""
+    plain = target.plain_stance
+    if _is_compiling() or plain is NO_STANCE or previous != plain:
+        return None
+    return dataclasses.replace(previous, skip_guard_eval_unsafe=True)
 
-    While Dynamo traces the wrapper (the target is called from the user's own compiled
-    code) nothing is written: the call is traced as it is. A stance equal to the run's
-    (``with set_stance("default")``, a new object) is treated as it. Any other stance is
-    the user's (``force_eager``, ``fail_on_recompile``): it is left as it is, and the
-    call runs under it with full guards."""
+
+def _not_our_stance(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A steady call where the stance may not be written. While Dynamo traces the wrapper
+    (the target called from the user's own compiled code) the call is traced as it is. Any
+    other stance is the user's (``force_eager``, ``fail_on_recompile``): it is left as it
+    is, and the call runs under it with full guards."""
     if _is_compiling():
         return target.compiled(*args, **kwargs)
-    plain = target.plain_stance
-    if plain is NO_STANCE or previous != plain:
-        return with_full_guards(target, args, kwargs)
-    _eval_frame._stance = dataclasses.replace(previous, skip_guard_eval_unsafe=True)
-    try:
-        return target.compiled(*args, **kwargs)
-    finally:
-        _eval_frame._stance = previous
+    return with_full_guards(target, args, kwargs)
 
 
 def _unadmitted(target: TargetState, key: tuple[Any, ...]) -> Miss:

@@ -98,6 +98,9 @@ class TargetState(Protocol):
     values in the entries' diff guards, which the stance evaluates on every call."""
     last_key: tuple[Any, ...] | None
     """The argument key of the last call admitted under the stance."""
+    key_of: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+    """What makes a steady call's key: :func:`~guardtrain.compile.call_mode.call_key`, or
+    after a repeated key one made for it (:mod:`guardtrain.compile.repeat`)."""
     last_mode: CallMode | None
     full_guard_calls: int
     """Calls under the stance whose arguments no key describes (a module, an object):

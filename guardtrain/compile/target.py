@@ -31,7 +31,7 @@ import guardtrain.compile.grads as _grads
 import guardtrain.compile.verify as _verify
 import guardtrain.compile.watch as _watch
 from guardtrain.compile.assertions import Assertion, check, polled_objects
-from guardtrain.compile.call_mode import CallMode
+from guardtrain.compile.call_mode import CallMode, call_key
 from guardtrain.compile.code import TargetCode, structure_key
 from guardtrain.compile.direct import DirectEntry
 from guardtrain.compile.forward import wrapper_for
@@ -302,6 +302,7 @@ class CompiledTarget:
         self.delegated: dict[tuple[Any, ...], frozenset[int]] = {}
         self.last_key: tuple[Any, ...] | None = None
         self.last_mode: CallMode | None = None
+        self.key_of: Callable[..., Any] = call_key
 
     def allow_direct_dispatch(self, allowed: bool) -> None:
         """Whether calls under the stance may run harvested entries (turbo, H30)."""

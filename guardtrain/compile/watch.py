@@ -31,7 +31,7 @@ module's ``__dict__``, ``_parameters`` or hook dictionaries directly, hooks regi
 through a reference to ``register_module_*_hook`` taken before the run (caught at the
 next audit or loop boundary), and ``requires_grad`` set on a parameter that is not an
 ``nn.Parameter`` (FSDP2's ``DTensor``) or through ``torch.Tensor.requires_grad_(p)``
-(caught at the first call of the next batch, :meth:`CompiledTarget.grad_moved`).
+(caught at the first call of the next batch, :func:`guardtrain.compile.forward.first_call_of_batch`).
 """
 
 from __future__ import annotations
@@ -319,10 +319,12 @@ def watch(target: Watched, modules: Iterable[nn.Module]) -> None:
     module_ids: list[int] = []
     dict_ids: list[int] = []
     param_ids: list[int] = []
+    seen: set[int] = set()
     for module in modules:
         key = id(module)
-        if key in module_ids:
+        if key in seen:
             continue
+        seen.add(key)
         module_ids.append(key)
         _modules.setdefault(key, []).append(target)
         for name in _MODULE_HOOK_DICTS:
@@ -331,7 +333,8 @@ def watch(target: Watched, modules: Iterable[nn.Module]) -> None:
                 dict_ids.append(id(d))
                 _hook_dicts.setdefault(id(d), []).append(target)
         for param in module.__dict__.get("_parameters", {}).values():
-            if param is not None and id(param) not in param_ids:
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
                 param_ids.append(id(param))
                 _params.setdefault(id(param), []).append(target)
     _targets[id(target)] = (target, module_ids, dict_ids, param_ids)

@@ -16,7 +16,7 @@
 * :mod:`~guardtrain.engine.summary`: ``summary()``, ``state_dict()``, the table, metrics.
 * :mod:`~guardtrain.engine.phases`: the warm-up -> steady -> re-armed machine per loop.
 * :mod:`~guardtrain.engine.decisions`: per-batch, audit and entry decisions, pure.
-* :mod:`~guardtrain.engine.session`: the stance and Dynamo config, saved and restored.
+* :mod:`~guardtrain.engine.session`: Dynamo config, saved and restored; the run's stance values.
 * :mod:`~guardtrain.engine.agreement`: how ranks decide together.
 * :mod:`~guardtrain.engine.breaks`: where Dynamo's graph breaks are (reason, file, line).
 * :mod:`~guardtrain.engine.warmstart`: the compile cache saved and loaded (``compile_cache``).

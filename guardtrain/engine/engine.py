@@ -253,7 +253,7 @@ class GuardEngine(Reactions):
     def batch_start(
         self, loop: str, batch: Any, training: bool, warmed_training: bool | None = None
     ) -> None:
-        """Checks before a batch; sets the stance for it.
+        """Checks before a batch; decides whether its target calls run steady (H41).
 
         Args:
             loop: the loop the batch belongs to.
