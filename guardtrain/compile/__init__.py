@@ -8,6 +8,7 @@ Rooms (each file's first docstring line says what it is for):
   (:mod:`guardtrain.engine.breaks` uses them);
 * ``call_mode``: the per-call mode and argument keys (``call_key``), the
   dispatch-mode and outside-state checks;
+* ``repeat``: a repeated argument key recognised without making it again;
 * ``stances``: the two stance values a steady call writes around its compiled call (H41);
 * ``watch``: change tracking between calls (events for modules, parameters and hooks);
 * ``polled``: what a steady call compares (dictionary versions, list contents, H33);
