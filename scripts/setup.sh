@@ -23,9 +23,10 @@ elif "$py" -m pip install -q --no-index --no-deps "torch==${version}" 2>&1 | qui
     "$py" -m pip install -q "torch==${version}" 2>&1 | quiet
     echo "setup: installed torch ${version} from a local wheel"
 else
+    # The +cpu build is only on PyTorch's CPU index, added beside pip's own index.
     echo "setup: installing the CPU build of torch ${version} from download.pytorch.org"
-    "$py" -m pip install -q "torch==${version}" --index-url https://download.pytorch.org/whl/cpu \
-        --extra-index-url https://pypi.org/simple 2>&1 | quiet
+    "$py" -m pip install -q "torch==${version}+cpu" \
+        --extra-index-url https://download.pytorch.org/whl/cpu 2>&1 | quiet
 fi
 "$py" -m pip install -q -e ".[dev]" 2>&1 | quiet
 # DeepSpeed for the Trainer's DeepSpeed test only, in its own folder that the test puts on

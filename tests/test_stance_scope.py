@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
@@ -297,10 +297,9 @@ def test_a_target_called_from_the_users_compiled_code_writes_no_stance() -> None
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
 
 
-def test_a_stance_the_user_sets_is_left_as_it_is() -> None:
-    """``force_eager`` set by the user around steady calls: they run under it, eagerly
-    (nothing compiles, nothing raises), counted as full-guard calls; afterwards the stance
-    is the user's again, then the default."""
+@contextlib.contextmanager
+def steady_tuner() -> Iterator[tuple[Net, Any, list[torch.Tensor]]]:
+    """A ``Net`` under ``GuardTuner`` (``aggressive``), steady after 8 steps."""
     torch.manual_seed(0)
     net = Net()
     xs = [torch.randn(4, 8) for _ in range(8)]
@@ -309,6 +308,14 @@ def test_a_stance_the_user_sets_is_left_as_it_is() -> None:
             with tuner.step((x,)):
                 net(x)
         assert tuner.phase == "steady"
+        yield net, tuner, xs
+
+
+def test_a_stance_the_user_sets_is_left_as_it_is() -> None:
+    """``force_eager`` set by the user around steady calls: they run under it, eagerly
+    (nothing compiles, nothing raises), counted as full-guard calls; afterwards the stance
+    is the user's again, then the default."""
+    with steady_tuner() as (net, tuner, xs):
         with torch.compiler.set_stance("force_eager"):
             with tuner.step((xs[0],)):
                 out = net(xs[0])
@@ -323,13 +330,7 @@ def test_a_new_stance_object_equal_to_the_runs_is_treated_as_it() -> None:
     """``with set_stance("default")`` makes a new stance object equal to the one the run
     started under: steady calls still run under the stance (no full-guard calls), and the
     user's object is what is there after each call."""
-    torch.manual_seed(0)
-    net = Net()
-    xs = [torch.randn(4, 8) for _ in range(8)]
-    with guard_tuner(net, "aggressive", measure_lookup=False, **WARMUP) as tuner:
-        for x in xs:
-            with tuner.step((x,)):
-                net(x)
+    with steady_tuner() as (net, tuner, xs):
         before = tuner.summary()["full_guard_calls"]
         with torch.compiler.set_stance("default"):
             mine = torch._dynamo.eval_frame._stance
