@@ -136,14 +136,17 @@ def user_path(text: str, target: str, shared: bool = False) -> str:
     text = text.replace(f"{CLOSURE_NAME}.__self__", target or "self")
     if shared:
         text = _SHARED_PREFIX.sub(target or "self", text)
-    text = _CLASS_READ.sub(r"type(\1).\3", text)  # dict(type(self).__dict__)['GAIN']
+    text = _CLASS_ATTRIBUTE.sub(r"type(\g<obj>).\g<name>", text)  # dict(type(self)...)['GAIN']
     return plain_attributes(_SUBSCRIPT.sub(lambda m: "." + m.group(2), text))
 
 
-_CLASS_READ = re.compile(
-    r"dict\(type\(((?:[^()]|\([^()]*\))+)\)(?:\.__mro__\[\d+\])?\.__dict__\)\[(['\"])(\w+)\2\]"
+_CLASS_ATTRIBUTE = re.compile(
+    r"dict\(type\((?P<obj>(?:[^()]|\([^()]*\))+)\)(?:\.__mro__\[(?P<k>\d+)\])?\.__dict__\)"
+    r"\[(?P<q>['\"])(?P<name>\w+)(?P=q)\]"
 )
-"""A class attribute read through an instance, as Dynamo names it in a guard."""
+"""How Dynamo names a class attribute read through an instance (``self.GAIN`` with
+``GAIN`` on the class, or on its ``k``-th base): ``dict(type(self).__dict__)['GAIN']``.
+Matched whole for a guard's source, substituted in its user-facing text."""
 
 
 def plain_attributes(text: str) -> str:
@@ -183,11 +186,6 @@ _RECORDED = {
     "LIST_LENGTH": "length",
     "TUPLE_LENGTH": "length",
 }
-_CLASS_ATTRIBUTE = re.compile(
-    r"dict\(type\((?P<obj>.+?)\)(?:\.__mro__\[(?P<k>\d+)\])?\.__dict__\)\[(?P<q>['\"])(?P<name>\w+)(?P=q)\]$"
-)
-"""How Dynamo names a class attribute read through an instance (``self.GAIN`` with
-``GAIN`` on the class, or on its ``k``-th base): ``dict(type(self).__dict__)['GAIN']``."""
 
 
 def global_assertions(entry: Any) -> list[Assertion] | None:
@@ -342,7 +340,7 @@ def _on_the_module(name: str, prefix: str) -> bool:
     follows it, or a class attribute read through it (:data:`_CLASS_ATTRIBUTE`)."""
     if name.startswith(prefix):
         return len(name) == len(prefix) or name[len(prefix)] in ".["
-    found = _CLASS_ATTRIBUTE.match(name)
+    found = _CLASS_ATTRIBUTE.fullmatch(name)
     return found is not None and _on_the_module(found.group("obj"), prefix)
 
 
@@ -359,7 +357,7 @@ def polled_objects(
     lists: list[list[Any]] = []
     for entry in entries:
         for a in entry:
-            found = _CLASS_ATTRIBUTE.match(a.name)
+            found = _CLASS_ATTRIBUTE.fullmatch(a.name)
             if found is not None:
                 dicts.extend(_class_dicts(found, scope))
                 continue

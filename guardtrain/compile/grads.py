@@ -82,7 +82,7 @@ def use_variant(target: Any) -> bool:
         old.current = None
     new.members.append(target)
     target.code = new
-    if len(new.members) == 1 and not hasattr(new, "trampoline"):
+    if new.generation == 0:  # made just now: no trampoline yet
         reference = target.reference
         new.fresh()  # compiles on the next call; sets the target's `compiled`
         target.reference = reference
