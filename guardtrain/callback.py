@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -118,9 +119,17 @@ class GuardTuneCallback(EngineView, Callback):
     # -- setup and teardown ------------------------------------------------------------------
 
     def _host(self, trainer: Trainer | None) -> Host:
-        host = Host(info=rank_zero_info, warn=rank_zero_warn, owner="GuardTuneCallback")
+        host = Host(
+            info=rank_zero_info,
+            warn=rank_zero_warn,
+            owner="GuardTuneCallback",
+            root_label="<LightningModule>",
+            root_as="the LightningModule",
+            part_as="the LightningModule's `{}`",
+        )
         if trainer is None:
             return host
+        host.live = lambda: trainer.state.status == TrainerStatus.RUNNING
         host.agreement = ReduceAgreement(
             trainer.strategy.reduce_boolean_decision, trainer.world_size, trainer.global_rank
         )

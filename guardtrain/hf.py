@@ -125,7 +125,7 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         """The generated ``__init__``'s body: ``arguments`` are the config's fields."""
         self.config: GuardConfig = GuardConfig(**arguments)
         self._explicit_compile = set(arguments["compile_kwargs"] or {})
-        self._engine = GuardEngine(self.config, Host(owner=_OWNER, root_label="<model>"))
+        self._engine = GuardEngine(self.config, Host(owner=_OWNER))
         self._root: nn.Module | None = None
         self._handles: list[Any] = []
         self._pass: str | None = None
@@ -254,6 +254,13 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
             model.register_forward_hook(hfa.Hook(self._after), always_call=True),
         ]
 
+    def _released(self) -> None:
+        """Another callback's run released this one, which ended without its events (H45):
+        the hooks come off the model and the run is forgotten."""
+        self._inside = self._in_train = False
+        self._pass = self._run_off = None
+        self._detach()
+
     def _detach(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -266,11 +273,14 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         rank = int(getattr(args, "process_index", 0) or 0)
         taken = self._plugins.taken
         engine.host = hfa.make_host(world, rank, _OWNER)
+        engine.host.live = lambda: hfa.trainer_running(self)
+        engine.host.on_release = self._released
         engine.setup(
             world_size=world,
             rank=rank,
             swaps_parameters=hfa.fsdp_swapper(hfa.accelerate_state()),
             compile_kwargs=None if taken is None else taken.compile_kwargs,
+            took_over=None if taken is None else [hfa.took_over_label(taken)],
         )
         assert self._root is not None
         regional = taken is not None and taken.regional
@@ -331,7 +341,7 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         """A copy with the same arguments and no run (the Trainer's state is not copied)."""
         new = copy.copy(self)
         new.__dict__.update(
-            _engine=GuardEngine(self.config, Host(owner=_OWNER, root_label="<model>")),
+            _engine=GuardEngine(self.config, Host(owner=_OWNER)),
             _root=None,
             _handles=[],
             _plugins=hfa.Plugins(_OWNER, self._explicit_compile),

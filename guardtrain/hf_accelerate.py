@@ -2,7 +2,7 @@
 
 No transformers import: the default and regional targets of a model, the hooks' wrapper,
 accelerate's process-wide state (its dynamo, FSDP and DeepSpeed plugins), rank agreement
-through accelerate's collectives, and the frames of a ``Trainer``'s evaluation.
+through accelerate's collectives, and the frames of a ``Trainer``'s evaluation and run.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 import types
 import warnings
 from typing import Any
@@ -37,6 +38,8 @@ __all__ = [
     "regional_targets",
     "take_over",
     "take_over_message",
+    "took_over_label",
+    "trainer_running",
 ]
 
 log = logging.getLogger("guardtrain")
@@ -46,6 +49,8 @@ _EVAL_FUNCTIONS = frozenset(
 )
 """Trainer methods whose frames mark a model call as the Trainer's evaluation."""
 _FRAMES = 40
+_RUN_FUNCTIONS = frozenset({"train", "_inner_training_loop"}) | _EVAL_FUNCTIONS
+"""Trainer methods whose frames mark its run as live (H45)."""
 
 
 def _inert(*args: Any) -> None:
@@ -252,6 +257,14 @@ def take_over(
     return taken
 
 
+def took_over_label(taken: TakenCompile) -> str:
+    """How the summary's ``took_over`` names a taken compile, with its backend and mode."""
+    what = "accelerate's regional compilation" if taken.regional else "the Trainer's torch_compile"
+    mode = getattr(taken.plugin, "mode", None) or "default"
+    backend = taken.from_trainer.get("backend")
+    return f"{what} ({type(taken.plugin).__name__}, backend {backend!r}, mode {mode!r})"
+
+
 def take_over_message(taken: TakenCompile, owner: str, explicit: set[str], blocks: bool) -> str:
     kept = sorted(k for k in taken.from_trainer if k in explicit)
     return (
@@ -265,6 +278,12 @@ def take_over_message(taken: TakenCompile, owner: str, explicit: set[str], block
     )
 
 
+def _holds(trainer: Any, callback: Any) -> bool:
+    """Whether ``trainer`` (a frame's ``self``) is a ``Trainer`` holding ``callback``."""
+    handler = getattr(trainer, "callback_handler", None)
+    return handler is not None and any(cb is callback for cb in handler.callbacks)
+
+
 def calling_trainer(callback: Any, frame: types.FrameType | None) -> Any:
     """The ``Trainer`` (holding ``callback``) whose evaluation made this call, or None."""
     for _ in range(_FRAMES):
@@ -272,11 +291,21 @@ def calling_trainer(callback: Any, frame: types.FrameType | None) -> Any:
             return None
         if frame.f_code.co_name in _EVAL_FUNCTIONS:
             owner = frame.f_locals.get("self")
-            handler = getattr(owner, "callback_handler", None)
-            if handler is not None and any(cb is callback for cb in handler.callbacks):
+            if _holds(owner, callback):
                 return owner
         frame = frame.f_back
     return None
+
+
+def trainer_running(callback: Any) -> bool:
+    """Whether a ``Trainer`` holding ``callback`` is inside its ``train``, ``evaluate`` or
+    ``predict`` now: a frame of one is on the stack (the liveness of an HF run, H45)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _RUN_FUNCTIONS and _holds(frame.f_locals.get("self"), callback):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def make_host(world: int, rank: int, owner: str) -> Host:

@@ -190,7 +190,7 @@ class GuardTuner(EngineView):
         self.model = model
         self.fabric = fabric
         self._root: nn.Module = _unwrap(model)
-        self._engine = GuardEngine(self.config, Host(owner="GuardTuner", root_label="<model>"))
+        self._engine = GuardEngine(self.config, Host(owner="GuardTuner"))
         self._step = _Step(self)
         self._loop = Loop.TRAIN.value
         self._warmed: dict[str, bool] = {}
@@ -230,7 +230,7 @@ class GuardTuner(EngineView):
             log_metrics=self._log_metrics if self.config.log_metrics else None,
             agreement=agreement,
             owner="GuardTuner",
-            root_label="<model>",
+            live=lambda: self._entered,
         )
         self._engine.host = host
         self._engine.setup(

@@ -67,3 +67,15 @@ def _clean_dynamo():
     for key, value in saved.items():
         setattr(cfg, key, value)
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _put_back_accelerate_env():
+    """``TrainingArguments(torch_compile=True)`` writes ``ACCELERATE_DYNAMO_*`` into
+    ``os.environ`` and never removes them (transformers 4.x): put them back after each
+    test, so that a later test's eager run is not compiled by accelerate."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_DYNAMO_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_DYNAMO_")]:
+        del os.environ[key]
+    os.environ.update(saved)

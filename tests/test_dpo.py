@@ -24,7 +24,8 @@ from helpers import guard_without_lookup, make_trainer
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from hf_helpers import make_args  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer  # noqa: E402
 
 from guardtrain import GuardTrainerCallback  # noqa: E402
 
@@ -202,19 +203,11 @@ def run_hf(tmp_path: Path, preset: str | None) -> tuple[dict[str, Any], Any]:
             audit_every=None,
         )
         callbacks.append(guard)
-    args = TrainingArguments(
-        output_dir=str(tmp_path / (preset or "eager")),
+    args = make_args(
+        tmp_path / (preset or "eager"),
         max_steps=STEPS,
-        per_device_train_batch_size=4,
         learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         remove_unused_columns=False,
-        seed=0,
     )
     trainer = DPOTrainer(model=model, args=args, train_dataset=Pairs(), callbacks=callbacks)
     trainer.train()

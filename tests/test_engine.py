@@ -66,7 +66,7 @@ class FakeTarget:
         ([FakeTarget("a", 3, False, 1), FakeTarget("b", 2, False, 0)], "'b' ran uncompiled"),
         ([FakeTarget("a", 3, False, 1), FakeTarget("b", 0, False, 0)], None),  # never called
         ([FakeTarget("a", 3, True, 2)], "'a' has graph breaks"),
-        ([FakeTarget("", 3, False, 8)], "'<LightningModule>' reached recompile_limit=8"),
+        ([FakeTarget("", 3, False, 8)], "'<model>' reached recompile_limit=8"),
         ([], None),
     ],
 )
@@ -181,10 +181,10 @@ def test_engine_without_a_trainer() -> None:
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     s = engine.summary()
-    assert s["targets"] == ["<LightningModule>"] and s["steady_steps"] >= 3
+    assert s["targets"] == ["<model>"] and s["steady_steps"] >= 3
     assert [r["reason"] for r in s["rearms"]] == [
         "unseen batch signature ((2, 8) float32 cpu): "
-        "no compiled entry of '<LightningModule>' accepts its inputs"
+        "no compiled entry of '<model>' accepts its inputs"
     ]
     engine.finish()
     assert_restored(net)

@@ -217,7 +217,10 @@ def test_two_callbacks_on_one_target_are_refused() -> None:
         fit(model, [guard_without_lookup(), guard_without_lookup()], max_epochs=1)
     assert_restored(model)
     second = NamedGuard("aggressive", compile_kwargs=EAGER)
-    with pytest.raises(GuardTrainRuntimeError, match="compiled by another GuardTuneCallback"):
+    with pytest.raises(
+        GuardTrainRuntimeError,
+        match="the LightningModule.s `net` is compiled by a GuardTuneCallback whose run is still going",
+    ):
         fit(model, [guard_without_lookup(), second], max_epochs=1)
     assert_restored(model)
 

@@ -355,9 +355,7 @@ class EngineRunner(Runner):
         # The bench measures the preset even where GUARDTRAIN_DISABLE turns the adapters off.
         made = dataclasses.replace(made, disabled=False)
         self.warnings: list[str] = []
-        host = Host(
-            info=lambda _: None, warn=self.warnings.append, owner=OWNER, root_label="<model>"
-        )
+        host = Host(info=lambda _: None, warn=self.warnings.append, owner=OWNER)
         self.engine = GuardEngine(made, host)
         self.engine.setup()
         self.config_values = self.engine.config_values()

@@ -21,24 +21,29 @@ OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
 _MISSING = object()
 
 
-def forward_function(name: str, module: nn.Module) -> types.FunctionType:
-    """The plain function behind ``module.forward``, with clear errors."""
-    label = repr(name) if name else "the LightningModule"
+def forward_function(
+    name: str, module: nn.Module, owner: str = "guardtrain", known_as: str | None = None
+) -> types.FunctionType:
+    """The plain function behind ``module.forward``, with clear errors that name the
+    adapter (``owner``) and the module as the user knows it (``known_as``; default:
+    its name in the root)."""
+    label = known_as or (f"`{name}`" if name else "the root module")
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         raise GuardTrainValueError(
             f"Target {label} is already compiled (torch.compile returned an OptimizedModule). "
-            "Pass the plain module: GuardTuneCallback compiles it."
+            f"Pass the plain module: {owner} compiles it."
         )
     attr = module.__dict__.get("forward", _MISSING)
     if attr is not _MISSING:
         if getattr(attr, "_guardtrain_target", None) is not None:
             raise GuardTrainRuntimeError(
-                f"Target {label} is compiled by another GuardTuneCallback already."
+                f"Target {label} is compiled by another guardtrain run already; {owner} "
+                "cannot compile it too. Let that run finish (or call its restore()) first."
             )
         if hasattr(attr, "_torchdynamo_orig_callable") or hasattr(attr, "_compiled_call_impl"):
             raise GuardTrainValueError(
                 f"Target {label} has a compiled `forward` already. Remove your torch.compile "
-                "call: GuardTuneCallback compiles it."
+                f"call: {owner} compiles it."
             )
         func = getattr(attr, "__func__", None)
         if getattr(attr, "__self__", None) is module and isinstance(func, types.FunctionType):
@@ -50,7 +55,7 @@ def forward_function(name: str, module: nn.Module) -> types.FunctionType:
     if getattr(module, "_compiled_call_impl", None) is not None:
         raise GuardTrainValueError(
             f"Target {label} was compiled with nn.Module.compile() already. Remove that call: "
-            "GuardTuneCallback compiles it."
+            f"{owner} compiles it."
         )
     func = type(module).forward
     if not isinstance(func, types.FunctionType) or func is nn.Module.forward:

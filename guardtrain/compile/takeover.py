@@ -39,10 +39,11 @@ class TakeOver:
         else:
             module.__dict__[key] = value
 
-    def take(self, name: str, module: nn.Module) -> None:
-        """Switch off every compile of the user's in ``module`` and below it."""
+    def take(self, name: str, module: nn.Module, root_label: str = "<model>") -> None:
+        """Switch off every compile of the user's in ``module`` and below it (the root
+        module is named ``root_label``)."""
         for sub_name, sub in module.named_modules(prefix=name):
-            label = sub_name or "<LightningModule>"
+            label = sub_name or root_label
             if isinstance(sub, OptimizedModule):
                 self._set(sub, "forward", sub._orig_mod.__call__)
                 self.names.append(f"{label} (torch.compile)")
@@ -78,16 +79,19 @@ def _compiled_forward_source(module: nn.Module) -> Any:
     return None
 
 
-def take_over_compiled(root: nn.Module, targets: Sequence[tuple[str, nn.Module]]) -> TakeOver:
+def take_over_compiled(
+    root: nn.Module, targets: Sequence[tuple[str, nn.Module]], root_label: str = "<model>"
+) -> TakeOver:
     """Switch off the user's own compiles of ``targets``, of modules inside them, and of the
-    ``OptimizedModule`` wrappers around them (see :class:`TakeOver`)."""
+    ``OptimizedModule`` wrappers around them (see :class:`TakeOver`; the root module is
+    named ``root_label``)."""
     taken = TakeOver()
     modules = dict(root.named_modules(remove_duplicate=False))
     for name, module in targets:
         wrapper = name
         while wrapper.endswith("_orig_mod"):  # the OptimizedModules resolve_targets looked through
             wrapper = wrapper[: -len("_orig_mod")].rstrip(".")
-            taken.take(wrapper, modules[wrapper] if wrapper else root)
+            taken.take(wrapper, modules[wrapper] if wrapper else root, root_label)
         if wrapper == name:
-            taken.take(name, module)
+            taken.take(name, module, root_label)
     return taken

@@ -195,7 +195,7 @@ class CompiledTarget:
     def installed(self) -> bool:
         return bool(self._previous)
 
-    def install(self) -> None:
+    def install(self, known_as: str | None = None) -> None:
         """Install the compiled ``forward`` on the module (again, after :meth:`uninstall`,
         keeping the compiled code and its Dynamo cache), with an instance ``__getstate__``
         that leaves guardtrain's attributes out: ``pickle``, ``torch.save`` and
@@ -203,15 +203,15 @@ class CompiledTarget:
 
         Raises:
             GuardTrainValueError: the module's ``forward`` is no longer the one
-                compiled (it was replaced between two runs).
+                compiled (it was replaced between two runs; ``known_as`` names it).
         """
         if self.installed:
             return
         module = self.module
         if forward_function(self.name, module) is not self._func:
             raise GuardTrainValueError(
-                f"Target {self.name or 'the LightningModule'!r} has another `forward` than "
-                "the one compiled before."
+                f"Target {known_as or repr(self.name)} has another `forward` than the one "
+                "compiled before."
             )
         self._previous = {key: module.__dict__.get(key, _MISSING) for key in _INSTALLED}
         module.__dict__["forward"] = self._wrapper

@@ -88,7 +88,7 @@ class _Entries:
 
 
 def blocker(
-    targets: Sequence[TargetView], recompile_limit: int, root_label: str = "<LightningModule>"
+    targets: Sequence[TargetView], recompile_limit: int, root_label: str = "<model>"
 ) -> str | None:
     """Why the stance must not be entered now, or None.
 

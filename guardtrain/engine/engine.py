@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from guardtrain import versions as _versions
 from guardtrain.engine import levers as _levers
+from guardtrain.engine import runs as _runs
 from guardtrain.engine import summary, warmstart
 from guardtrain.engine.checks import Checks
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
@@ -62,6 +62,7 @@ class GuardEngine(Reactions):
         """The warm start's state (``compile_cache=``), loaded once per engine."""
         self._dict_tags = _levers.DictTagsNotes()
         self._ran = False
+        self._held = _Held(self)
         hooks = Hooks(self._on_compile, self._on_miss, self._on_switch_off, self._on_change)
         self.levers = _levers.requested(config)
         self.targets = TargetSet(config, self.levers, hooks)
@@ -119,6 +120,7 @@ class GuardEngine(Reactions):
         swaps_parameters: str | None = None,
         sharded_by_hand: str | None = None,
         compile_kwargs: dict[str, Any] | None = None,
+        took_over: list[str] | None = None,
     ) -> None:
         """Start a run: a fresh phase machine and the levers this torch and strategy allow.
 
@@ -131,12 +133,16 @@ class GuardEngine(Reactions):
                 strategy (H37): ``install_free_tensors`` is switched off, and direct
                 dispatch is refused per sharded target.
             compile_kwargs: this run's compile options, if not the arguments' (H38).
+            took_over: the compiles the adapter took over for this run (the summary's
+                ``took_over`` lists them first).
         """
+        self.restore()  # a run of this engine that ended without its events (H45)
         self.config = self._arguments.for_run(compile_kwargs)
         if self._ran:  # a later run: the summary goes on from the earlier ones
             self.restored = summary.carried(self.summary(), self.train_batches())
             self._ran = False
         self._new_run()
+        self.targets.adapter_took_over = list(took_over or ())
         if self.config.disabled:
             self.host.info(
                 f"guardtrain: {DISABLE_ENV} is set; {self.host.owner} does nothing "
@@ -175,44 +181,38 @@ class GuardEngine(Reactions):
         ``root`` itself, not the one child with parameters (H15).
 
         Raises:
-            GuardTrainRuntimeError: the unsafe stance is already set.
+            GuardTrainRuntimeError: the unsafe stance is already set, or a live run
+                holds a target (a run that is not live is released, H45).
         """
         if self.run.active or self.config.disabled:
             return
         if host is not None:
             self.host = host
             self.session.owner = host.owner
-        self.session.begin()
-        cfg = torch._dynamo.config
-        for key, value in self.config_values().items():
-            if getattr(cfg, key, value) != value:
-                self.session.set_config(key, value)
+        resolved = self.targets.resolve(root, root_by_default, default_targets)
+        # Before this run saves Dynamo's config: a released run puts its own back.
+        _runs.release_dead_runs(self._held, root, [n for n, _ in resolved], self.host)
+        self._begin_session(self.config_values())
         self.run.active = True
         self._ran = True
         try:
-            self.targets.activate(root, self.host, self._paired(), root_by_default, default_targets)
+            self.targets.activate(root, resolved, self.host, self._paired())
         except BaseException:
             self.restore()
             raise
+        _runs.RUNS.hold(self._held)
 
     def restore(self) -> None:
         """Put back everything the run changed: config, the targets' ``forward``."""
         if not self.run.active:
             return
         self.run.active = False
+        _runs.RUNS.drop(self._held)
         self.lookup.stop()
         self._stop_checking()
         self._set_stance(False)
         self.session.restore()
         self.targets.restore()
-
-    def gather_rearms(self) -> None:
-        """With several processes, collect every rank's re-arms for rank zero's summary."""
-        if not self.machine.collective or self.config.disabled:
-            return
-        gathered = self.host.agreement.gather(list(self.machine.rearms))
-        merged = [r for rearms in gathered for r in (rearms or [])]
-        self.run.all_rearms = sorted(merged, key=lambda r: (r["step"], r.get("rank", 0)))
 
     def finish(self) -> None:
         """End the run: name targets that ran uncompiled, restore, save the compile cache
@@ -342,3 +342,25 @@ class GuardEngine(Reactions):
         if self.config.log_metrics and self.host.log_metrics is not None:
             current = (self.phase, self.monitor.compiles, len(self.machine.rearms))
             self.metrics.log(self.host, current, self.lookup.lookup, self.train_batches)
+
+
+class _Held:
+    """An engine as the registry of runs sees it (H45): its adapter, the modules it has
+    compiled in place, whether its adapter says the run is live, and its release."""
+
+    def __init__(self, engine: GuardEngine) -> None:
+        self._engine = engine
+
+    @property
+    def owner(self) -> str:
+        return self._engine.host.owner
+
+    def held_modules(self) -> list[nn.Module]:
+        return [target.module for target in self._engine.targets.installed]
+
+    def live(self) -> bool:
+        return self._engine.host.live()
+
+    def release_dead(self) -> None:
+        self._engine.restore()
+        self._engine.host.on_release()

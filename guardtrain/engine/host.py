@@ -35,5 +35,19 @@ class Host:
     """Whether the current evaluation pass is Lightning's sanity check."""
     owner: str = "guardtrain"
     """Named in messages: ``"GuardTuneCallback"``, ``"GuardTuner"``."""
-    root_label: str = "<LightningModule>"
+    root_label: str = "<model>"
     """How the summary names a target that is the root module itself."""
+    root_as: str = "the model"
+    """How messages name the root module, as the user knows it."""
+    part_as: str = "`model.{}`"
+    """How messages name a module inside the root (``{}``: its name there)."""
+    live: Callable[[], bool] = lambda: True
+    """Whether the adapter's run is still going. A run that is not, and still holds
+    modules, is released by the next run on them (H45)."""
+    on_release: Callable[[], None] = lambda: None
+    """Called after another run released this one (H45): the adapter removes what it
+    put on the model (its hooks) and forgets the run."""
+
+    def known_as(self, name: str) -> str:
+        """The module ``name`` of the root (``""``: the root) as messages name it."""
+        return self.part_as.format(name) if name else self.root_as

@@ -96,6 +96,22 @@ class Acts:
         """Training batches of this run and the earlier ones (a checkpoint's included)."""
         return self.machine.loops[TRAIN].batches + self.restored.get("train_batches", 0)
 
+    def gather_rearms(self) -> None:
+        """With several processes, collect every rank's re-arms for rank zero's summary."""
+        if not self.machine.collective or self.config.disabled:
+            return
+        gathered = self.host.agreement.gather(list(self.machine.rearms))
+        merged = [r for rearms in gathered for r in (rearms or [])]
+        self.run.all_rearms = sorted(merged, key=lambda r: (r["step"], r.get("rank", 0)))
+
+    def _begin_session(self, values: dict[str, Any]) -> None:
+        """Start the run's stance session and set the Dynamo ``values`` that differ."""
+        self.session.begin()
+        cfg = torch._dynamo.config
+        for key, value in values.items():
+            if getattr(cfg, key, value) != value:
+                self.session.set_config(key, value)
+
     # -- what targets report -----------------------------------------------------------------
 
     def _on_compile(self, target: CompiledTarget, reason: str | None) -> None:

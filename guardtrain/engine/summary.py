@@ -96,7 +96,7 @@ def build(e: EngineView) -> dict[str, Any]:
         "uncompiled_targets": list(run.uncompiled),
         "lookup_us": dict(lookup),
         "lookup_calls": dict(e.lookup.lookup_calls or r.get("lookup_calls", {})),
-        "took_over": list(ts.took_over),
+        "took_over": list(ts.adapter_took_over) + list(ts.took_over),
         "shared_code": _shared_code(ts.kept, root),
         "own_code": [{"target": label(t, root), "why": t.own_code} for t in ts.kept if t.own_code],
         "direct_dispatch": _direct(e),

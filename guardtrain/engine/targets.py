@@ -22,6 +22,7 @@ from guardtrain.compile import (
     share_groups,
     take_over_compiled,
 )
+from guardtrain.compile.resolve import forward_function
 from guardtrain.engine import breaks as _breaks
 from guardtrain.engine.config import GuardConfig
 from guardtrain.engine.host import Host
@@ -63,6 +64,9 @@ class TargetSet:
     """Their labels, for the summary (kept after the run is restored)."""
     takeover: TakeOver | None = None
     took_over: list[str] = field(default_factory=list)
+    """The user's own compiles of targets, switched off for the run (``"net (torch.compile)"``)."""
+    adapter_took_over: list[str] = field(default_factory=list)
+    """What the adapter took over (the Trainer's ``torch_compile``, with backend and mode)."""
     graph_breaks: list[dict[str, Any]] = field(default_factory=list)
     """Default targets split into their parts because they broke the graph (H20)."""
     break_log: _breaks.BreakLog = field(default_factory=_breaks.BreakLog)
@@ -85,35 +89,45 @@ class TargetSet:
         have replaced since), with the kept targets and the take-over note."""
         return TargetSet(config, levers, self.hooks, self.kept, self.took_over_told)
 
-    def activate(
-        self,
-        root: nn.Module,
-        host: Host,
-        paired: bool,
-        root_by_default: bool,
-        default_targets: list[str] | None = None,
-    ) -> None:
-        """Compile the targets in ``root`` in place, or reinstall the kept ones (H28).
+    def resolve(
+        self, root: nn.Module, root_by_default: bool, default_targets: list[str] | None = None
+    ) -> list[tuple[str, nn.Module]]:
+        """The ``(name, module)`` pairs this run compiles in ``root``.
 
-        ``paired``: compiled calls pair across ranks (guard collectives), so a
-        target retries eagerly instead of skipping alone. ``default_targets``: with
-        ``targets=None``, these names instead of the default rule.
+        With ``targets=None``: ``default_targets`` (the adapter's own default), else
+        ``root`` itself when ``root_by_default``, else the default rule.
         """
         names = self.config.targets
         if names is None and default_targets is not None:
             names = list(default_targets)
         elif names is None and root_by_default:
             names = [""]
-        resolved = resolve_targets(root, names)
-        self.takeover = take_over_compiled(root, resolved)
+        return resolve_targets(root, names)
+
+    def activate(
+        self, root: nn.Module, resolved: list[tuple[str, nn.Module]], host: Host, paired: bool
+    ) -> None:
+        """Compile the ``resolved`` targets of ``root`` in place, or reinstall the kept
+        ones (H28).
+
+        ``paired``: compiled calls pair across ranks (guard collectives), so a
+        target retries eagerly instead of skipping alone.
+
+        Raises:
+            GuardTrainValueError, GuardTrainRuntimeError: a target compiled already
+                (named as ``host`` names it).
+        """
+        self.takeover = take_over_compiled(root, resolved, host.root_label)
         self._tell_take_over(self.takeover.names, host)
+        for name, module in resolved:  # what the take-over left compiled is refused
+            forward_function(name, module, host.owner, host.known_as(name))
         ift = self.levers.install_free_tensors
         kept = {(t.name, id(t.module)): t for t in self.kept if t.requested_free_tensors == ift}
         if all((name, id(module)) in kept for name, module in resolved):
             # A later run on the same modules: same code, same Dynamo cache (H28).
             for name, module in resolved:
                 target = kept[(name, id(module))]
-                target.install()
+                target.install(host.known_as(name))
                 target.pair_calls_across_ranks(paired)
                 target.take_call_counts()  # direct calls: counted in `restored`
                 self._allow_direct(target, host.root_label)
