@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv with guardtrain (editable) and its dev tools.
+# Create .venv with guardtrain (editable) and what the examples need (Hydra):
+#
+#   bash scripts/setup.sh          the run: torch, Lightning, Hydra, guardtrain
+#   bash scripts/setup.sh --dev    and the test tools (transformers, accelerate, peft,
+#                                  optuna, ruff, mypy, ...) and DeepSpeed for its test
 #
 # A torch that is already importable in .venv is kept as it is. Without one,
 # the CPU build is installed: from a local wheel when pip's find-links has one
@@ -9,6 +13,11 @@
 #   PYTHON                    interpreter for the new venv (python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+    "") extra=hydra ;;
+    --dev) extra=dev ;;
+    *) echo "setup: unknown argument '$1' (allowed: none, or --dev)" >&2; exit 2 ;;
+esac
 version="${GUARDTRAIN_TORCH_VERSION:-2.13.0}"
 if [ ! -x .venv/bin/python ]; then
     "${PYTHON:-python3}" -m venv .venv
@@ -28,11 +37,13 @@ else
     "$py" -m pip install -q "torch==${version}+cpu" \
         --extra-index-url https://download.pytorch.org/whl/cpu 2>&1 | quiet
 fi
-"$py" -m pip install -q -e ".[dev]" 2>&1 | quiet
+"$py" -m pip install -q -e ".[${extra}]" 2>&1 | quiet
+if [ "$extra" = dev ]; then
 # DeepSpeed for the Trainer's DeepSpeed test only, in its own folder that the test puts on
 # its processes' PYTHONPATH: installed into the venv, accelerate and transformers would
 # import it in every run. Its other dependencies come with the dev extra's packages.
 "$py" -m pip install -q --no-deps --upgrade --target .venv/deepspeed "deepspeed>=0.19" \
     hjson msgpack ninja py-cpuinfo einops 2>&1 | quiet
+fi
 "$py" -c "import torch, lightning, guardtrain; print('setup: torch', torch.__version__, \
 '| lightning', lightning.__version__, '| guardtrain', guardtrain.__version__)"
