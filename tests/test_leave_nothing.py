@@ -265,8 +265,12 @@ def test_errors_name_the_adapter_and_the_module(adapter: str) -> None:
     model.head.forward = functools.partial(model.head.forward)  # type: ignore[method-assign]
     if adapter == "tuner":
         tuner = guard_tuner(model, targets=["head"])
-        with pytest.raises(GuardTrainTypeError, match=r"Target `model\.head` has an instance attribute"):
+        with pytest.raises(
+            GuardTrainTypeError, match=r"Target `model\.head` has an instance attribute"
+        ):
             tuner.__enter__()
         return
-    with pytest.raises(GuardTrainTypeError, match=r"Target the LightningModule's `head` has an instance"):
+    with pytest.raises(
+        GuardTrainTypeError, match=r"Target the LightningModule's `head` has an instance"
+    ):
         fit(model, [guard(targets=["head"])], max_epochs=1)

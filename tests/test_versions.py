@@ -6,11 +6,11 @@
 from __future__ import annotations
 
 import re
+import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 from helpers import Net, guard_tuner
 

@@ -29,7 +29,7 @@ from guardtrain.fingerprints import fingerprint_change, module_fingerprint
 __all__ = ["Action", "Change", "ChangeLog", "decide"]
 
 
-class Change(str, enum.Enum):
+class Change(enum.StrEnum):
     """The kinds of change counted in ``summary()["caught_changes"]``."""
 
     ARGUMENTS = "arguments"
@@ -46,7 +46,7 @@ class Change(str, enum.Enum):
     """A parameter's ``requires_grad`` flipped: frozen or unfrozen (H42)."""
 
 
-class Action(str, enum.Enum):
+class Action(enum.StrEnum):
     REBUILD = "rebuild"
     """Forget the target's compiled entries: the next call compiles afresh."""
     LEAVE = "leave"

@@ -32,19 +32,17 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 __all__ = ["LOOPS", "PHASE_NUMBERS", "Loop", "LoopState", "Phase", "PhaseMachine"]
 
 
-class _StrEnum(str, Enum):
+class _StrEnum(StrEnum):
     """Members compare and hash equal to their plain ``str`` values."""
 
-    def __str__(self) -> str:
-        return str(self.value)
-
-    __hash__ = str.__hash__  # interchangeable with its value in dicts and sets
+    __hash__ = str.__hash__  # interchangeable with its value in dicts and sets (Enum
+    # hashes the member's name)
 
 
 class Loop(_StrEnum):
