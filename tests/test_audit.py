@@ -104,3 +104,73 @@ def test_verify_leaves_training_unchanged() -> None:
     fit(verified, [cb])
     assert_same_run(plain, verified)
     assert not [r for r in cb.summary()["rearms"] if "verify" in r["reason"]]
+
+
+# -- an audit batch with new shapes (H26) ----------------------------------------------------
+
+
+class Scaled(nn.Module):
+    """Two layers and a ``gain`` read in ``forward``: Dynamo guards its value, the stance
+    skips that guard, and ``object.__setattr__`` passes no event (H33)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) * self.gain
+
+
+#: 16 rows, but 12 at the audit (batch 8): a batch size that no entry accepts (dim 0 static).
+ROWS = [16] * 8 + [12] + [16] * 7
+
+
+def audited(preset: str, gain_after: int | None = None) -> tuple[Any, list[bool], list[bool]]:
+    """Steps of ``ROWS`` with ``audit_every=8``; ``gain`` becomes 2.0 (past ``__setattr__``)
+    after step ``gain_after``. Returns the tuner, the stance per step, and per step whether
+    the output equals the plain ``forward``'s."""
+    from helpers import guard_tuner, stance_on
+
+    torch.manual_seed(0)
+    net = Scaled()
+    g = torch.Generator().manual_seed(1)
+    stance, equal = [], []
+    with guard_tuner(net, preset, warmup_steps=4, audit_every=8, measure_lookup=False) as tuner:
+        for i, rows in enumerate(ROWS):
+            x = torch.randn(rows, 8, generator=g)
+            with tuner.step((x,)):
+                out = net(x)
+                stance.append(stance_on())
+            equal.append(torch.equal(out, Scaled.forward(net, x)))
+            if i == gain_after:
+                object.__setattr__(net, "gain", 2.0)
+    return tuner, stance, equal
+
+
+@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+def test_an_audit_batch_with_new_shapes_compiles_for_them_and_stays_steady(preset: str) -> None:
+    """The audit batch (8) is the first with 12 rows: it compiles with full guards for its
+    new inputs, which says nothing of the entries the stance ran, so no re-arm; the next
+    batch with a seen signature (9) is the audit's batch with full guards instead."""
+    tuner, stance, equal = audited(preset)
+    assert all(equal), equal
+    s = tuner.summary()
+    assert s["rearms"] == [] and s["compiles"] == 2, (s["rearms"], s["compile_events"])
+    assert "size mismatch at index 0" in s["compile_events"][-1]["reason"]
+    assert stance == [False] * 4 + [True] * 4 + [False, False] + [True] * 6, stance
+
+
+def test_the_audit_repeated_after_new_shapes_finds_a_stale_entry() -> None:
+    """``gain`` changes (past ``__setattr__``) after the audit batch that compiled for its
+    new shapes (8): the audit's batch with full guards, repeated at the next seen
+    signature (9), compiles for the new value and re-arms with the audit's reason.
+    ``balanced`` keeps the guard on ``gain``; eager-equal at every step."""
+    tuner, stance, equal = audited("balanced", gain_after=8)
+    assert all(equal), equal
+    reasons = [(r["step"], r["reason"]) for r in tuner.summary()["rearms"]]
+    assert len(reasons) == 1 and reasons[0][0] == 9, reasons
+    assert reasons[0][1].startswith("audit batch compiled with full guards"), reasons
+    assert "gain" in reasons[0][1], reasons
+    assert stance[9] is False and stance[-1] is True, stance

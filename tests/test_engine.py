@@ -33,6 +33,18 @@ def test_next_and_due_checks() -> None:
     assert decisions.due_check(8, None, None) is None
 
 
+def test_audit_verdict() -> None:
+    """H26: a compile in an audit batch with an unseen signature is for its new inputs."""
+    assert decisions.audit_verdict(False, False) == decisions.AUDIT_CLEAN
+    assert decisions.audit_verdict(False, True) == decisions.AUDIT_CLEAN
+    assert decisions.audit_verdict(True, False) == decisions.AUDIT_REARM
+    assert decisions.audit_verdict(True, True) == decisions.AUDIT_AGAIN
+    # A compile that leaves a target unfit for the stance re-arms as before (H4, H5, H20).
+    assert decisions.audit_verdict(True, True, "target 'net' has graph breaks") == (
+        decisions.AUDIT_REARM
+    )
+
+
 def test_leave_reason() -> None:
     assert decisions.leave_reason("train", None, True) is None
     assert decisions.leave_reason("validate", None, False) is None

@@ -192,6 +192,97 @@ def test_standalone_evaluate_and_predict(tmp_path: Path, caplog: pytest.LogCaptu
     assert cb.summary()["compiles"] == compiles and not cb.engine.active
 
 
+# -- BERT with DataCollatorWithPadding ------------------------------------------------------
+
+BERT_VOCAB = 100
+BERT_LENGTHS = tuple(range(10, 29))  # 19 example lengths
+
+
+class Sentences(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``n`` labelled token-id lists, as a tokenizer's output, of lengths drawn from
+    ``BERT_LENGTHS`` (seeded): ``{"input_ids": [...], "label": k}``."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for _ in range(n):
+            length = BERT_LENGTHS[int(torch.randint(len(BERT_LENGTHS), (1,), generator=g))]
+            ids = torch.randint(2, BERT_VOCAB, (length,), generator=g).tolist()
+            self.items.append({"input_ids": ids, "label": sum(ids) % 3})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return dict(self.items[i])
+
+
+def word_tokenizer() -> Any:
+    """A word-level tokenizer made in memory (no hub): what ``DataCollatorWithPadding`` pads with."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, BERT_VOCAB)}}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")),
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+    )
+
+
+def bert_trainer(out: Path, callbacks: list[Any]) -> Any:
+    """A tiny BERT classifier (random weights), 39 steps of 32 padded examples; 368
+    examples, so each epoch ends with a short batch of 16 (step 11)."""
+    set_seed(0)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=BERT_VOCAB,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
+    return Trainer(
+        model=transformers.BertForSequenceClassification(config),
+        args=make_args(out, max_steps=39, per_device_train_batch_size=32),
+        train_dataset=Sentences(368, 2),
+        data_collator=transformers.DataCollatorWithPadding(word_tokenizer()),
+        callbacks=callbacks,
+    )
+
+
+def test_bert_padding_an_audit_batch_with_new_shapes_stays_steady(tmp_path: Path) -> None:
+    """H26: BERT sequence classification, ``DataCollatorWithPadding``, then ``predict()``.
+
+    The four warm-up batches all pad to 28, so the one entry is static; the first batch
+    of the lookup window (full guards, an audit) pads to 27 and compiles (that compile
+    makes the length dynamic). It used to re-arm as a stale entry found by the audit: 23
+    of the 35 batches after warm-up were steady. Its compile is for its new inputs, so the
+    loop stays steady. Losses, weights and predictions equal eager's, batch by batch."""
+    eager = bert_trainer(tmp_path / "eager", [])
+    eager.train()
+    cb = guard(compile_kwargs={"backend": "eager"}, measure_lookup=None)
+    guarded = bert_trainer(tmp_path / "guarded", [cb])
+    guarded.train()
+    assert losses(guarded) == losses(eager) and len(losses(eager)) == 39
+    assert_same_weights(guarded.model, eager.model)
+    s = cb.summary()
+    assert s["lookup_us"], s  # the window ran: its first batch is the audit in question
+    new_length = [e for e in s["compile_events"] if "size mismatch at index 1" in e["reason"]]
+    assert new_length and new_length[0]["step"] == 4, s["compile_events"]
+    assert not [r for r in s["rearms"] if r["reason"].startswith("audit batch")], s["rearms"]
+    assert steady_share(cb) >= 0.8, s
+    test = Sentences(40, 3)
+    predicted = guarded.predict(test)
+    expected = eager.predict(test)
+    assert torch.equal(
+        torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions)
+    )
+    assert predicted.metrics["test_loss"] == expected.metrics["test_loss"]
+    assert_put_back(cb, guarded.model)
+
+
 def test_a_copied_or_pickled_model_gets_hooks_that_do_nothing(tmp_path: Path) -> None:
     import copy
     import pickle

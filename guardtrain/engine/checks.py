@@ -39,6 +39,11 @@ class Checks:
     """The training batch count at which the next audit or verify batch is due."""
     audit_batch: bool = False
     """The current training batch is an audit (a compile in it re-arms)."""
+    audit_unseen: bool = False
+    """The current audit batch's signature had not been seen (H26)."""
+    audit_again: bool = False
+    """An audit batch with an unseen signature compiled for its new inputs: the next steady
+    training batch whose signature was seen runs with full guards as the audit (H26)."""
     verify_batch: bool = False
     """The current training batch is a verify batch (compiled vs eager)."""
     skipped: list[str] = field(default_factory=list)
@@ -54,6 +59,26 @@ class Checks:
         """The check due at training batch ``batches`` (``"audit"``, ``"verify"``, None)."""
         self.next_check = decisions.next_check(batches, config.audit_every, config.verify_every)
         return decisions.due_check(batches, config.audit_every, config.verify_every)
+
+    def start_audit(self, unseen: bool) -> None:
+        """The current training batch runs with full guards as an audit; ``unseen``: its
+        signature had not been seen, so a compile in it may be for its new inputs (H26)."""
+        self.audit_batch, self.audit_unseen = True, unseen
+
+    def end_audit(self, verdict: str, batches: int) -> None:
+        """Remember what the audit batch ending at training batch ``batches`` found
+        (:func:`~guardtrain.engine.decisions.audit_verdict`).
+
+        :data:`~guardtrain.engine.decisions.AUDIT_AGAIN` makes the next batch check
+        again (H26): the audit's batch runs at the first steady batch with a seen
+        signature. An audit batch with a seen signature ran the audit.
+        """
+        if verdict == decisions.AUDIT_AGAIN:
+            self.audit_again = True
+            self.next_check = min(self.next_check, batches + 1)
+        elif not self.audit_unseen:
+            self.audit_again = False
+        self.audit_batch = self.audit_unseen = False
 
     def start_inputs(self, described: str, targets: list[CompiledTarget]) -> None:
         """Each call of this batch checks its inputs against an entry's guards (H26)."""

@@ -10,9 +10,13 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 __all__ = [
+    "AUDIT_AGAIN",
+    "AUDIT_CLEAN",
+    "AUDIT_REARM",
     "CHECK_AUDIT",
     "CHECK_VERIFY",
     "TargetView",
+    "audit_verdict",
     "blocker",
     "due_check",
     "leave_reason",
@@ -21,6 +25,15 @@ __all__ = [
 
 CHECK_AUDIT = "audit"
 CHECK_VERIFY = "verify"
+
+AUDIT_CLEAN = "clean"
+"""An audit batch compiled nothing."""
+AUDIT_REARM = "rearm"
+"""An audit batch compiled: the stance was running code whose guards no longer held."""
+AUDIT_AGAIN = "again"
+"""An audit batch with an unseen signature compiled for its new inputs (H26): the loop
+stays steady, and the audit's batch with full guards runs again at the next batch whose
+signature was seen."""
 
 
 def next_check(batches: int, audit_every: int | None, verify_every: int | None) -> int:
@@ -44,6 +57,31 @@ def due_check(batches: int, audit_every: int | None, verify_every: int | None) -
     if verify_every is not None and batches % verify_every == 0:
         return CHECK_VERIFY
     return None
+
+
+def audit_verdict(compiled: bool, unseen: bool, blocked: str | None = None) -> str:
+    """What an audit batch found: a batch run with full guards, scheduled (``audit_every``)
+    or in a lookup window.
+
+    Args:
+        compiled: a target compiled in the batch.
+        unseen: the batch's signature had not been seen (H26).
+        blocked: after that compile, why the stance may not be used (:func:`blocker`),
+            or None.
+
+    A compile on inputs of a seen signature means the entries the stance ran no longer
+    passed their full guards: :data:`AUDIT_REARM`. A batch with an unseen signature
+    compiles where no entry accepts its inputs (a padded length that an entry compiled
+    for one size refuses; the compile makes the size dynamic), which says nothing about
+    the entries the stance ran, so the audit is inconclusive: :data:`AUDIT_AGAIN` (H26).
+    A compile that leaves a target unfit for the stance (graph breaks, H4, H20; the
+    recompile limit, H5) re-arms as before.
+    """
+    if not compiled:
+        return AUDIT_CLEAN
+    if unseen and blocked is None:
+        return AUDIT_AGAIN
+    return AUDIT_REARM
 
 
 def leave_reason(

@@ -275,9 +275,9 @@ class GuardEngine(Reactions):
             steady, check = self._signature_and_mode(loop, state, batch, training, warmed_training)
             if loop == TRAIN:
                 if self.lookup.measure is not None and steady:
-                    steady = self._lookup_batch()
+                    steady = self._lookup_batch(check is not None)
                 elif state.batches >= self.checks.next_check:
-                    steady = self._audit_or_verify(steady)
+                    steady = self._audit_or_verify(steady, check is not None)
                 if self.config.guard_collectives:
                     self.session.set_guard_collectives(self._paired() and run.entered_together)
             elif steady and self.host.sanity_checking():

@@ -312,11 +312,12 @@ class Reactions(Acts):
         self._rearm(loop, reason)
         return False, None
 
-    def _lookup_batch(self) -> bool:
-        """A lookup window's batch; False for one with full guards (a compile re-arms)."""
+    def _lookup_batch(self, unseen: bool) -> bool:
+        """A lookup window's batch; False for one with full guards (a compile re-arms, as
+        in an audit; ``unseen``: the batch's signature is new, H26)."""
         steady = self.lookup.batch()
         if not steady:  # a compile with full guards here re-arms, as in an audit
-            self.checks.audit_batch = True
+            self.checks.start_audit(unseen)
         return steady
 
     def _end_probe(self, loop: str, compiled: bool) -> None:
@@ -344,28 +345,41 @@ class Reactions(Acts):
         ):
             run.changes += 1  # log guard/lookup_us
 
-    def _audit_or_verify(self, steady: bool) -> bool:
-        """Start an audit or a verify batch when one is due; return whether to use the stance."""
-        due = self.checks.due(self.machine.loops[TRAIN].batches, self.config)
+    def _audit_or_verify(self, steady: bool, unseen: bool) -> bool:
+        """Start an audit or a verify batch when one is due, or the audit's batch again
+        (``unseen``: this batch's signature is new, H26); return whether to use the stance."""
+        ch = self.checks
+        batches = self.machine.loops[TRAIN].batches
+        due = ch.due(batches, self.config)
         if due == decisions.CHECK_AUDIT:
             self._boundary_check(TRAIN)
             if steady and self.machine.steady(TRAIN):
-                self.checks.audit_batch = True
-            return False
-        if due == decisions.CHECK_VERIFY:
-            self.checks.verify_batch = True
-            if steady:
-                for target in self.targets.installed:
-                    target.start_verify(self.config.verify_rtol, self.config.verify_atol)
+                ch.start_audit(unseen)
+            steady = False
+        elif ch.audit_again and due is None and steady and not unseen:
+            # An audit batch with an unseen signature compiled for its inputs (H26): this
+            # steady batch with a seen signature runs with full guards as the audit.
+            ch.start_audit(False)
+            steady = False
+        elif due == decisions.CHECK_VERIFY:
+            self._start_verify(steady)
+        if ch.audit_again and not ch.audit_batch:
+            ch.next_check = batches + 1  # the audit's batch waits for a seen signature (H26)
         return steady
 
+    def _start_verify(self, steady: bool) -> None:
+        """A verify batch: a steady one runs each target's eager ``forward`` beside it."""
+        self.checks.verify_batch = True
+        if steady:
+            for target in self.targets.installed:
+                target.start_verify(self.config.verify_rtol, self.config.verify_atol)
+
     def _end_audit_or_verify(self, compiled: bool) -> None:
-        """An audit that compiled re-arms; a verify batch rebuilds each target that differed."""
+        """An audit that compiled re-arms (:meth:`_end_audit`); a verify batch rebuilds each
+        target that differed."""
         ch, installed = self.checks, self.targets.installed
         if ch.audit_batch:
-            ch.audit_batch = False
-            if compiled:
-                self._rearm(TRAIN, checks.audit_reason(self.monitor.events))
+            self._end_audit(compiled)
         if ch.verify_batch:
             ch.verify_batch = False
             found = checks.verify_mismatches(installed)
@@ -378,6 +392,22 @@ class Reactions(Acts):
                 found = [(t, "on another rank") for t in installed]
             for target, mismatch in found:
                 self._rebuild(target, f"verify found a difference from eager ({mismatch})")
+
+    def _end_audit(self, compiled: bool) -> None:
+        """An audit batch ended (:func:`decisions.audit_verdict`). A compile there re-arms:
+        the stance was running code whose guards no longer held. In a batch with an unseen
+        signature the compile is for its new inputs (H26): it ran with full guards, so the
+        new entry is Dynamo's own, and the entries the stance runs are unchanged, so the
+        loop stays steady and the audit's batch runs again at the next seen signature;
+        unless that compile left a target unfit for the stance (graph breaks, H20; the
+        recompile limit, H5: :func:`decisions.blocker`), which re-arms as before."""
+        ch = self.checks
+        unseen = ch.audit_unseen
+        blocked = self._blocked() if compiled and unseen else None
+        verdict = decisions.audit_verdict(compiled, unseen, blocked)
+        ch.end_audit(verdict, self.machine.loops[TRAIN].batches)
+        if verdict == decisions.AUDIT_REARM:
+            self._rearm(TRAIN, checks.audit_reason(self.monitor.events))
 
     def _boundary_check(self, loop: str) -> None:
         """Re-check every target: rebuild those whose entries no longer fit; a steady
