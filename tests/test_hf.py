@@ -32,6 +32,7 @@ from hf_helpers import (  # noqa: E402
     eval_losses,
     guard,
     losses,
+    make_args,
     run_pair,
     steady_share,
     tiny_model,
@@ -42,10 +43,11 @@ from transformers import (  # noqa: E402
     GPT2Model,
     Trainer,
     TrainerCallback,
+    set_seed,
 )
 
 from guardtrain import GuardTrainerCallback  # noqa: E402
-from guardtrain.bench.hf_data import Tokens  # noqa: E402
+from guardtrain.bench.hf_data import Tokens, tiny_bert_config  # noqa: E402
 from guardtrain.engine.session import stance_is_unsafe  # noqa: E402
 from guardtrain.hf import default_targets, regional_targets  # noqa: E402
 
@@ -234,15 +236,7 @@ def bert_trainer(out: Path, callbacks: list[Any]) -> Any:
     """A tiny BERT classifier (random weights), 39 steps of 32 padded examples; 368
     examples, so each epoch ends with a short batch of 16 (step 11)."""
     set_seed(0)
-    config = transformers.BertConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=BERT_VOCAB,
-        max_position_embeddings=64,
-        num_labels=3,
-    )
+    config = tiny_bert_config(vocab_size=BERT_VOCAB, max_position_embeddings=64)
     return Trainer(
         model=transformers.BertForSequenceClassification(config),
         args=make_args(out, max_steps=39, per_device_train_batch_size=32),

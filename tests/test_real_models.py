@@ -27,6 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 transformers = pytest.importorskip("transformers")
 
+from guardtrain.bench.hf_data import tiny_bert_config  # noqa: E402
+
 AOT_EAGER = {"backend": "aot_eager"}
 VOCAB = 64
 
@@ -40,15 +42,7 @@ def gpt2_lm() -> nn.Module:
 
 
 def bert_classifier() -> nn.Module:
-    config = transformers.BertConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        num_labels=3,
-    )
+    config = tiny_bert_config(vocab_size=VOCAB)
     assert config.hidden_dropout_prob > 0 and config.problem_type is None
     return transformers.BertForSequenceClassification(config)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Tokens", "pad", "tiny_gpt2_config"]
+__all__ = ["Tokens", "pad", "tiny_bert_config", "tiny_gpt2_config"]
 
 
 def tiny_gpt2_config(**extra: Any) -> Any:
@@ -28,6 +28,24 @@ def tiny_gpt2_config(**extra: Any) -> Any:
     }
     values.update(extra)
     return GPT2Config(**values)
+
+
+def tiny_bert_config(**extra: Any) -> Any:
+    """A ``BertConfig`` for sequence classification: 2 layers, width 32, 2 heads, 64
+    tokens, 32 positions, 3 labels; ``extra`` overrides."""
+    from transformers import BertConfig
+
+    values: dict[str, Any] = {
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 64,
+        "max_position_embeddings": 32,
+        "num_labels": 3,
+    }
+    values.update(extra)
+    return BertConfig(**values)
 
 
 class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
