@@ -299,12 +299,16 @@ def calling_trainer(callback: Any, frame: types.FrameType | None) -> Any:
 
 def trainer_running(callback: Any) -> bool:
     """Whether a ``Trainer`` holding ``callback`` is inside its ``train``, ``evaluate`` or
-    ``predict`` now: a frame of one is on the stack (the liveness of an HF run, H45)."""
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name in _RUN_FUNCTIONS and _holds(frame.f_locals.get("self"), callback):
-            return True
-        frame = frame.f_back
+    ``predict`` now, in any thread: a frame of one is on a stack (an HF run's liveness,
+    H45)."""
+    for top in sys._current_frames().values():
+        frame: types.FrameType | None = top
+        while frame is not None:
+            if frame.f_code.co_name in _RUN_FUNCTIONS and _holds(
+                frame.f_locals.get("self"), callback
+            ):
+                return True
+            frame = frame.f_back
     return False
 
 

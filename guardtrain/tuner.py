@@ -242,7 +242,12 @@ class GuardTuner(EngineView):
         self._engine.activate(self._root, host, root_by_default=True)
         self._entered = True
         self._loop = Loop.TRAIN.value
-        self._engine.loop_start(self._loop)
+        try:
+            self._engine.loop_start(self._loop)
+        except BaseException:
+            self._entered = False
+            self._engine.restore()
+            raise
         return self
 
     def __exit__(

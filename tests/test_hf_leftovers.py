@@ -85,9 +85,8 @@ def _sequence(tmp_path: Path, how: str, guarded: bool) -> dict[str, Any]:
     second = second if guarded else None
     spy = _StanceSpy(model)
     callbacks = [spy, *([second] if second else [])]
-    if how == "same-trainer":
-        for cb in callbacks:
-            trainer.add_callback(cb)
+    if how == "same-trainer":  # the Trainer has `first` already: only the spy is added
+        trainer.add_callback(spy)
         again = trainer
     else:
         again = trainer_for(tmp_path / "again", callbacks, model=model)

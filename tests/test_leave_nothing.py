@@ -92,6 +92,9 @@ class FakeRun:
     def live(self) -> bool:
         return self.is_live
 
+    def described(self) -> str:
+        return f"{len(self.modules)} modules"
+
     def release_dead(self) -> None:
         self.released += 1
         self.modules = []
@@ -105,17 +108,25 @@ def test_a_dead_holder_is_released_and_a_live_one_refuses() -> None:
     registry.hold(dead)
     registry.hold(live)
     me = FakeRun("GuardTuner", [], live=True)
+    other_model = FakeRun("GuardTuneCallback", [nn.Linear(2, 2)], live=False)
+    registry.hold(other_model)
+    # Every run that is not live is released, on any model (its config is process-wide).
+    released = registry.release_dead(me)
+    assert sorted(released) == [
+        ("GuardTrainerCallback", "1 modules"),
+        ("GuardTuneCallback", "1 modules"),
+    ]
+    assert dead.released == other_model.released == 1 and live.released == 0
+    assert registry.release_dead(me) == []  # released once
     # A live run on another part of the model is left alone.
-    assert registry.claim(me, net, ["0"], "GuardTuner", str) == [("GuardTrainerCallback", ["0"])]
-    assert dead.released == 1 and live.released == 0
+    registry.refuse_live(me, net, ["0"], "GuardTuner", str)
     # The same module, one around it, or the root: refused, naming the adapter and the module.
     for names in (["1.0"], ["1"], [""]):
         with pytest.raises(GuardTrainRuntimeError, match=r"1\.0 is compiled by a GuardTuner"):
-            registry.claim(me, net, names, "GuardTuner", str)
-    # A holder of modules outside this root is not asked.
-    live.is_live = False
-    assert registry.claim(me, nn.Linear(2, 2), [""], "GuardTuner", str) == []
-    assert live.released == 0
+            registry.refuse_live(me, net, names, "GuardTuner", str)
+    # Not the run itself, nor a live run's modules outside this root.
+    registry.refuse_live(live, net, ["1.0"], "GuardTuner", str)
+    registry.refuse_live(me, nn.Linear(2, 2), [""], "GuardTuner", str)
 
 
 def test_the_registry_forgets_a_run_whose_engine_is_gone() -> None:
@@ -161,6 +172,8 @@ def _tuner_sequence(guarded: bool, same: bool) -> tuple[list, Net, list[GuardTun
         else:
             with first:
                 _tuner_steps(model, first, 20, stop_at=9)
+    if first is not None:  # leaving the `with` block ended the run: nothing is left held
+        assert not first.engine.active and "forward" not in vars(model)
     second = (tuners[0] if same else tuners[1]) if guarded else None
     if second is None:
         return _tuner_steps(model, None, 16), model, tuners
@@ -173,7 +186,10 @@ def _tuner_sequence(guarded: bool, same: bool) -> tuple[list, Net, list[GuardTun
 def test_tuner_interrupted_then_run_again(same: bool) -> None:
     before = primed_state()
     eager, _, _ = _tuner_sequence(False, same)
-    got, model, tuners = _tuner_sequence(True, same)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, model, tuners = _tuner_sequence(True, same)
+    assert not [w for w in caught if "ended without its end event" in str(w.message)]
     assert [x.item() for x in got] == [x.item() for x in eager]
     second = tuners[0] if same else tuners[1]
     assert second.summary()["phases"]["train"] == "steady"
@@ -187,7 +203,11 @@ def test_two_live_tuners_on_one_model_are_refused() -> None:
         inner = guard_tuner(model, "aggressive")
         with pytest.raises(GuardTrainRuntimeError, match="the model is compiled by a GuardTuner"):
             inner.__enter__()
-        assert model(torch.randn(2, 8)).shape == (2, 1)  # the live run is untouched
+        model.eval()  # the live run is untouched: still eager-equal
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            assert torch.equal(model(x), Net.forward(model, x))
+        model.train()
     assert "forward" not in vars(model)
 
 
@@ -274,3 +294,22 @@ def test_errors_name_the_adapter_and_the_module(adapter: str) -> None:
         GuardTrainTypeError, match=r"Target the LightningModule's `head` has an instance"
     ):
         fit(model, [guard(targets=["head"])], max_epochs=1)
+
+
+@pytest.mark.usefixtures("_sigint_back")
+def test_a_dead_run_whose_callback_was_dropped_is_still_released() -> None:
+    """The model keeps a dead run's engine alive (its compiled ``forward``), so the registry
+    still finds it when the callback and the Trainer are gone."""
+    import gc
+
+    L.seed_everything(0, verbose=False)
+    model = TinyModule()
+    stop = _StopAt(8, ValueError("boom"), in_exception=True)
+    with pytest.raises(RuntimeError):
+        fit(model, [stop, guard("aggressive")], max_epochs=2)
+    assert "forward" in vars(model)  # the dead run still holds the LightningModule
+    del stop
+    gc.collect()
+    with pytest.warns(UserWarning, match="GuardTuneCallback run that ended without its end"):
+        fit(model, [guard("aggressive")], max_epochs=1)
+    assert "forward" not in vars(model)

@@ -137,6 +137,8 @@ class GuardEngine(Reactions):
                 ``took_over`` lists them first).
         """
         self.restore()  # a run of this engine that ended without its events (H45)
+        # Before this run reads Dynamo's config: a released run puts its own back.
+        _runs.release_dead_runs(self._held, self.host)
         self.config = self._arguments.for_run(compile_kwargs)
         if self._ran:  # a later run: the summary goes on from the earlier ones
             self.restored = summary.carried(self.summary(), self.train_batches())
@@ -190,8 +192,7 @@ class GuardEngine(Reactions):
             self.host = host
             self.session.owner = host.owner
         resolved = self.targets.resolve(root, root_by_default, default_targets)
-        # Before this run saves Dynamo's config: a released run puts its own back.
-        _runs.release_dead_runs(self._held, root, [n for n, _ in resolved], self.host)
+        _runs.claim(self._held, root, [n for n, _ in resolved], self.host)
         self._begin_session(self.config_values())
         self.run.active = True
         self._ran = True
@@ -360,6 +361,10 @@ class _Held:
 
     def live(self) -> bool:
         return self._engine.host.live()
+
+    def described(self) -> str:
+        known_as = self._engine.host.known_as
+        return ", ".join(known_as(t.name) for t in self._engine.targets.installed)
 
     def release_dead(self) -> None:
         self._engine.restore()

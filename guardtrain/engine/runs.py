@@ -3,18 +3,21 @@
 A run *holds* the modules it compiled in place, from
 :meth:`~guardtrain.engine.engine.GuardEngine.activate` until its ``restore()``. A run
 that ends without its end event (KeyboardInterrupt inside a Hugging Face
-``train()``, whose ``Trainer`` has no exception event) still holds them, and its
-hooks stay on the model. When a new run starts on the same model, :meth:`Runs.claim`
-asks each holder whether its run is still *live* (the adapter answers, through
+``train()``, whose ``Trainer`` has no exception event) still holds them, its hooks
+stay on the model and its Dynamo config stays set. When a new run starts (its
+``setup()``) and again when it compiles its targets, each holder is asked whether its
+run is still *live* (the adapter answers, through
 :attr:`~guardtrain.engine.host.Host.live`):
 
-* a holder that is not live is released through its own ``restore()``, and its
-  adapter removes what it put on the model; the new run starts fresh;
+* a holder that is not live is released through its own ``restore()`` (on any model:
+  its config is process-wide), and its adapter removes what it put on the model; the
+  new run starts fresh (:meth:`Runs.release_dead`);
 * a live holder of a module the new run compiles (the same module, one inside it, or
-  one around it) refuses the new run, naming both adapters and the module.
+  one around it) refuses the new run, naming both adapters and the module
+  (:meth:`Runs.refuse_live`).
 
 The registry holds its runs weakly: a run whose adapter and model are both gone is
-forgotten with them. Blind spot: a holder whose modules are all outside the new
+forgotten with them. Blind spot: a live holder whose modules are all outside the new
 run's root (the new root is inside the old one's target) is not seen; the forward
 found compiled then still raises, in :func:`~guardtrain.compile.resolve.forward_function`.
 
@@ -24,13 +27,14 @@ found compiled then still raises, in :func:`~guardtrain.compile.resolve.forward_
 ...     def __init__(self, modules, live): self.modules, self.is_live = modules, live
 ...     def held_modules(self): return self.modules
 ...     def live(self): return self.is_live
+...     def described(self): return "the model"
 ...     def release_dead(self): self.modules = []
 >>> net = nn.Sequential(nn.Linear(2, 2))
 >>> runs = Runs()
 >>> dead = Run([net[0]], live=False)
 >>> runs.hold(dead)
->>> runs.claim(Run([], True), net, ["0"], "GuardTuner", str)
-[('GuardTuner', ['0'])]
+>>> runs.release_dead(Run([], True))
+[('GuardTuner', 'the model')]
 >>> dead.modules
 []
 """
@@ -45,7 +49,7 @@ from torch import nn
 from guardtrain.engine.host import Host
 from guardtrain.errors import GuardTrainRuntimeError
 
-__all__ = ["RUNS", "Holder", "Runs", "overlaps", "release_dead_runs"]
+__all__ = ["RUNS", "Holder", "Runs", "claim", "overlaps", "release_dead_runs"]
 
 
 class Holder(Protocol):
@@ -60,6 +64,9 @@ class Holder(Protocol):
 
     def live(self) -> bool:
         """Whether its run is still going (its adapter's answer)."""
+
+    def described(self) -> str:
+        """What it holds, as its adapter names it (`` `model.transformer` ``)."""
 
     def release_dead(self) -> None:
         """Put back what the run changed and let its adapter remove its hooks."""
@@ -94,35 +101,39 @@ class Runs:
         """``run`` put its modules back."""
         self._runs.discard(run)
 
-    def claim(
+    def release_dead(self, run: Holder) -> list[tuple[str, str]]:
+        """Release every other run that is not live (on any model: its config changes are
+        process-wide). Returns each released run's adapter and what it held."""
+        released: list[tuple[str, str]] = []
+        for other in list(self._runs):
+            if other is run or other.live():
+                continue
+            held = other.described()
+            other.release_dead()
+            self.drop(other)
+            released.append((other.owner, held))
+        return released
+
+    def refuse_live(
         self,
         run: Holder,
         root: nn.Module,
         names: Sequence[str],
         owner: str,
         known_as: Callable[[str], str],
-    ) -> list[tuple[str, list[str]]]:
-        """Before ``run`` compiles ``names`` in ``root``: release every other run that
-        holds a module of ``root`` and is not live. Returns each released run's adapter
-        and the names (in ``root``) of the modules it held.
+    ) -> None:
+        """Before ``run`` compiles ``names`` in ``root``: refuse it when another run holds
+        one of them, a module inside one, or one around one (after :meth:`release_dead`,
+        every other run is live).
 
         Raises:
-            GuardTrainRuntimeError: a live run holds one of ``names``, a module inside
-                one, or one around one (``owner`` and ``known_as`` name them).
+            GuardTrainRuntimeError: such a run exists (``owner`` and ``known_as`` name it).
         """
         where = {id(module): name for name, module in root.named_modules()}
-        released: list[tuple[str, list[str]]] = []
         for other in list(self._runs):
             if other is run:
                 continue
             held = [where[id(m)] for m in other.held_modules() if id(m) in where]
-            if not held:
-                continue
-            if not other.live():
-                other.release_dead()
-                self.drop(other)
-                released.append((other.owner, held))
-                continue
             clash = next((n for n in held if overlaps(n, names)), None)
             if clash is not None:
                 raise GuardTrainRuntimeError(
@@ -130,19 +141,24 @@ class Runs:
                     f"going; {owner} cannot compile it too. Let that run finish first, or "
                     f"give this {owner} other `targets`."
                 )
-        return released
 
 
-def release_dead_runs(run: Holder, root: nn.Module, names: Sequence[str], host: Host) -> None:
-    """:meth:`Runs.claim` on :data:`RUNS` for a run of ``host``'s adapter, with one
+def release_dead_runs(run: Holder, host: Host) -> None:
+    """:meth:`Runs.release_dead` on :data:`RUNS` for a run of ``host``'s adapter, with one
     warning per released run."""
-    for owner, held in RUNS.claim(run, root, names, host.owner, host.known_as):
-        modules = ", ".join(host.known_as(n) for n in held)
+    for owner, held in RUNS.release_dead(run):
         host.warn(
             f"guardtrain: a {owner} run that ended without its end event (an exception or "
-            f"KeyboardInterrupt inside it) still held {modules}. {host.owner} released it "
+            f"KeyboardInterrupt inside it) still held {held}. {host.owner} released it "
             "(its compiled forward and its hooks are removed) and starts afresh."
         )
+
+
+def claim(run: Holder, root: nn.Module, names: Sequence[str], host: Host) -> None:
+    """Before ``run`` compiles ``names`` in ``root``: release the runs that are not live,
+    then refuse a live one that holds a module it compiles (:class:`Runs`)."""
+    release_dead_runs(run, host)
+    RUNS.refuse_live(run, root, names, host.owner, host.known_as)
 
 
 RUNS = Runs()
