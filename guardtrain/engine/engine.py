@@ -136,9 +136,8 @@ class GuardEngine(Reactions):
             took_over: the compiles the adapter took over for this run (the summary's
                 ``took_over`` lists them first).
         """
-        self.restore()  # a run of this engine that ended without its events (H45)
-        # Before this run reads Dynamo's config: a released run puts its own back.
-        _runs.release_dead_runs(self._held, self.host)
+        self.restore()  # this engine's run that ended without its events (H45)
+        _runs.release_dead_runs(self._held, self.host)  # dead runs put their config back
         self.config = self._arguments.for_run(compile_kwargs)
         if self._ran:  # a later run: the summary goes on from the earlier ones
             self.restored = summary.carried(self.summary(), self.train_batches())
