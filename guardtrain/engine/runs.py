@@ -53,7 +53,7 @@ __all__ = ["RUNS", "Holder", "Runs", "claim", "overlaps", "release_dead_runs"]
 
 
 class Holder(Protocol):
-    """A run as the registry sees it (the engine is one)."""
+    """A run as the registry sees it (each engine registers one for itself)."""
 
     @property
     def owner(self) -> str:
