@@ -284,32 +284,35 @@ def _holds(trainer: Any, callback: Any) -> bool:
     return handler is not None and any(cb is callback for cb in handler.callbacks)
 
 
-def calling_trainer(callback: Any, frame: types.FrameType | None) -> Any:
-    """The ``Trainer`` (holding ``callback``) whose evaluation made this call, or None."""
-    for _ in range(_FRAMES):
-        if frame is None:
-            return None
-        if frame.f_code.co_name in _EVAL_FUNCTIONS:
+def _trainer_on_stack(
+    callback: Any, frame: types.FrameType | None, names: frozenset[str], limit: int | None
+) -> Any:
+    """The ``Trainer`` holding ``callback`` in a frame of one of its methods ``names``, from
+    ``frame`` outwards (at most ``limit`` frames; None: the whole stack), or None."""
+    depth = 0
+    while frame is not None and (limit is None or depth < limit):
+        if frame.f_code.co_name in names:
             owner = frame.f_locals.get("self")
             if _holds(owner, callback):
                 return owner
         frame = frame.f_back
+        depth += 1
     return None
+
+
+def calling_trainer(callback: Any, frame: types.FrameType | None) -> Any:
+    """The ``Trainer`` (holding ``callback``) whose evaluation made this call, or None."""
+    return _trainer_on_stack(callback, frame, _EVAL_FUNCTIONS, _FRAMES)
 
 
 def trainer_running(callback: Any) -> bool:
     """Whether a ``Trainer`` holding ``callback`` is inside its ``train``, ``evaluate`` or
     ``predict`` now, in any thread: a frame of one is on a stack (an HF run's liveness,
     H45)."""
-    for top in sys._current_frames().values():
-        frame: types.FrameType | None = top
-        while frame is not None:
-            if frame.f_code.co_name in _RUN_FUNCTIONS and _holds(
-                frame.f_locals.get("self"), callback
-            ):
-                return True
-            frame = frame.f_back
-    return False
+    return any(
+        _trainer_on_stack(callback, top, _RUN_FUNCTIONS, None) is not None
+        for top in sys._current_frames().values()
+    )
 
 
 def make_host(world: int, rank: int, owner: str) -> Host:
