@@ -221,7 +221,7 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         if self._inside or module is not self._root:
             return None
         engine = self._engine
-        if not engine.run.active and (is_compiling() or not self._start_evaluation()):
+        if not engine.active and (is_compiling() or not self._start_evaluation()):
             return None  # no run; or Dynamo traces this hook (a compile made by accelerate)
         training = module.training
         loop = _TRAIN if training else _VALIDATE

@@ -21,6 +21,7 @@ from torch import nn
 from guardtrain.compile import check_compile_kwargs
 from guardtrain.engine.agreement import ReduceAgreement, SingleProcess
 from guardtrain.engine.host import Host
+from guardtrain.engine.process import PROCESS
 
 __all__ = [
     "AccelerateAgreement",
@@ -370,10 +371,16 @@ class Plugins:
         """Switch accelerate's dynamo plugin off; its settings go into guardtrain's compile."""
         if self.taken is not None:
             return
-        self.taken = take_over(accelerate_state(), config.compile_kwargs, self.explicit)
-        if self.taken is not None:
-            blocks = self.taken.regional and config.targets is None
-            self.tell(take_over_message(self.taken, self.owner, self.explicit, blocks))
+        taken = take_over(accelerate_state(), config.compile_kwargs, self.explicit)
+        self.taken = taken
+        if taken is not None:
+
+            def give_back() -> None:
+                taken.plugin.backend = taken.backend
+
+            PROCESS.take(self, f"{took_over_label(taken)}, taken over by {self.owner}", give_back)
+            blocks = taken.regional and config.targets is None
+            self.tell(take_over_message(taken, self.owner, self.explicit, blocks))
 
     def untaken(self) -> str | None:
         """Why this run is left alone: accelerate compiled the model itself (the adapter
@@ -391,6 +398,5 @@ class Plugins:
 
     def give_back(self) -> None:
         """Put accelerate's dynamo plugin back as it was."""
-        taken, self.taken = self.taken, None
-        if taken is not None:
-            taken.plugin.backend = taken.backend
+        self.taken = None
+        PROCESS.give_back(self)

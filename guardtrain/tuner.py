@@ -64,7 +64,7 @@ class _Step:
         training = tuner._root.training
         engine = tuner._engine
         warmed = tuner._warmed
-        if engine.machine.loops[loop].phase != "steady":
+        if not engine.steady(loop):
             warmed[loop] = training
         engine.batch_start(loop, self._batch, training, warmed.get(loop))
 

@@ -83,7 +83,7 @@ class Timer(TrainerCallback):
         post = next(h for h in after.values() if isinstance(h, Hook))
         inputs = self.inputs
         model.train()
-        steady_before = g.engine.machine.steady_steps
+        steady_before = g.engine.run.machine.steady_steps
 
         def both() -> None:
             pre(model, (), inputs)
@@ -92,7 +92,7 @@ class Timer(TrainerCallback):
         self.result = {
             "hooks_us": per_call(both, self.calls),
             "steady": g.phase == "steady",
-            "steady_calls_counted": g.engine.machine.steady_steps - steady_before,
+            "steady_calls_counted": g.engine.run.machine.steady_steps - steady_before,
             "audit": audit_parts(g.engine, max(self.calls // 100, 20)),
         }
 
@@ -112,7 +112,7 @@ def audit_parts(engine: Any, calls: int) -> dict[str, float]:
             module_fingerprint(t.module)
 
     parts = {
-        "boundary_us": per_call(lambda: engine._boundary_check("train"), calls),
+        "boundary_us": per_call(lambda: engine._batches.boundary("train"), calls),
         "assertions_us": per_call(assertions, calls),
         "fingerprints_us": per_call(fingerprints, calls),
     }

@@ -295,7 +295,7 @@ class FuzzModule(L.LightningModule):
         net = self.net
         if self.guard is not None:
             engine = self.guard.engine
-            rec.phases.append(engine.machine.phase(loop) if engine.active else "-")
+            rec.phases.append(engine.run.machine.phase(loop) if engine.active else "-")
         buffers = list(net.buffers())
         before = [b.detach().clone() for b in buffers]
         where = f"call {rec.calls} ({loop}, training={net.training}, x={tuple(x.shape)} {x.dtype})"

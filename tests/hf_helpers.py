@@ -17,7 +17,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
 from guardtrain import GuardTrainerCallback
 from guardtrain.bench.hf_data import Tokens, pad, tiny_gpt2_config
-from guardtrain.engine.session import stance_is_unsafe
+from guardtrain.engine.process import stance_is_unsafe
 
 REPO = Path(__file__).resolve().parents[1]
 #: Where scripts/setup.sh installs deepspeed, apart from the venv (the DeepSpeed test only).

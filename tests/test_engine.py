@@ -18,7 +18,7 @@ from guardtrain.engine.config import make_config
 from guardtrain.engine.engine import GuardEngine
 from guardtrain.engine.host import Host
 from guardtrain.engine.phases import LOOPS, Loop, Phase, PhaseMachine
-from guardtrain.engine.session import StanceSession, stance_is_unsafe
+from guardtrain.engine.process import PROCESS, stance_is_unsafe
 from guardtrain.errors import GuardTrainRuntimeError
 
 
@@ -105,7 +105,7 @@ def test_session_saves_sets_and_restores() -> None:
     cfg = torch._dynamo.config
     before = cfg.install_free_tensors
     plain = torch._dynamo.eval_frame._stance
-    session = StanceSession("test")
+    session = PROCESS.start_run("test")
     session.begin()
     session.set_config("install_free_tensors", not before)
     # The session hands out the stance values; it never sets the stance itself (H41).
@@ -117,7 +117,7 @@ def test_session_saves_sets_and_restores() -> None:
     torch.compiler.set_stance(skip_guard_eval_unsafe=True)
     try:
         with pytest.raises(GuardTrainRuntimeError, match="already set when the run starts"):
-            StanceSession("test").begin()
+            PROCESS.start_run("test").begin()
     finally:
         torch.compiler.set_stance("default")
 
@@ -127,7 +127,7 @@ def test_a_stance_the_user_set_is_never_replaced() -> None:
     steady calls run under the user's stance (NO_STANCE never matches torch's)."""
     for name in ("force_eager", "fail_on_recompile"):
         with torch.compiler.set_stance(name):
-            session = StanceSession("test")
+            session = PROCESS.start_run("test")
             session.begin()
             assert session.stances.plain is NO_STANCE and session.stances.unsafe is None
             session.restore()
@@ -243,46 +243,3 @@ def test_direct_dispatch_is_off_when_every_target_is_refused() -> None:
     assert _every_target_refused(["blocks.0", "blocks.1", "head"], refused) is False
     assert _every_target_refused(["head"], []) is False
     assert _every_target_refused([], refused) is False  # nothing compiled yet
-
-
-def test_boundary_check_under_fsdp_ignores_swapped_parameters_not_hooks() -> None:
-    """Under a strategy that swaps parameters (FSDP) and without install_free_tensors, the
-    boundary re-check compares the hooks only, and takes the fingerprint again; with no
-    such strategy, or with install_free_tensors, a swapped parameter still rebuilds."""
-    import types
-
-    from guardtrain.engine.checks import Checks
-    from guardtrain.fingerprints import module_fingerprint
-
-    def target(module: nn.Module, free: bool = False) -> Any:
-        t = types.SimpleNamespace(
-            calls=0,
-            cache_entries=lambda: 1,
-            reference=module_fingerprint(module),
-            module=module,
-            code=types.SimpleNamespace(install_free_tensors=free),
-            check_assertions=lambda: (None, None),
-        )
-        t.take_reference = lambda: setattr(t, "reference", module_fingerprint(module))
-        return t
-
-    def swapped(t: Any) -> Any:
-        t.module.weight = nn.Parameter(t.module.weight.detach().clone())  # FSDP's swap
-        return t
-
-    plain = swapped(target(nn.Linear(2, 2)))
-    assert Checks().boundary(plain, "lin") == (
-        True,
-        "parameter 'weight' was replaced by another tensor object",
-    )
-    fsdp = swapped(target(nn.Linear(2, 2)))
-    assert Checks().boundary(fsdp, "lin", "accelerate's FSDP") is None
-    assert fsdp.reference == module_fingerprint(fsdp.module)  # taken again
-    free = swapped(target(nn.Linear(2, 2), free=True))
-    assert Checks().boundary(free, "lin", "accelerate's FSDP") is not None
-    hooked = swapped(target(nn.Linear(2, 2)))
-    hooked.module.register_forward_hook(lambda *a: None)
-    assert Checks().boundary(hooked, "lin", "accelerate's FSDP") == (
-        True,
-        "hooks of '<root>' changed",
-    )

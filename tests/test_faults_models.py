@@ -36,7 +36,7 @@ from guardtrain import (
     GuardTrainValueError,
     GuardTuneCallback,
 )
-from guardtrain.engine.session import stance_is_unsafe
+from guardtrain.engine.process import stance_is_unsafe
 
 
 def _lm_compiled(m: NetModule) -> Any:

@@ -271,10 +271,11 @@ def test_the_harness_catches_a_stale_graph(monkeypatch: pytest.MonkeyPatch) -> N
     (Dynamo does not enforce hook guards by default, in any preset.)"""
     from fuzz_support import Divergence
 
-    from guardtrain.engine.engine import GuardEngine
+    from guardtrain.engine.batches import BatchChecks
+    from guardtrain.engine.repairs import Repairs
 
-    monkeypatch.setattr(GuardEngine, "_boundary_check", lambda self, loop: None)
-    monkeypatch.setattr(GuardEngine, "_on_change", lambda self, target, note: None)
+    monkeypatch.setattr(BatchChecks, "boundary", lambda self, loop: None)
+    monkeypatch.setattr(Repairs, "on_change", lambda self, target, note: None)
     scenario = Scenario(
         "aggressive",
         ((Step(3),), (Step(3, (Event("hook", "epoch", None),)),)),

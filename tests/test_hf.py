@@ -48,7 +48,7 @@ from transformers import (  # noqa: E402
 
 from guardtrain import GuardTrainerCallback  # noqa: E402
 from guardtrain.bench.hf_data import Tokens, tiny_bert_config  # noqa: E402
-from guardtrain.engine.session import stance_is_unsafe  # noqa: E402
+from guardtrain.engine.process import stance_is_unsafe  # noqa: E402
 from guardtrain.hf import default_targets, regional_targets  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,7 +155,7 @@ def test_dynamic_padding_stays_steady(tmp_path: Path) -> None:
     assert losses(guarded) == losses(eager)
     assert_same_weights(guarded.model, eager.model)
     s = cb.summary()
-    seen = {sig for sig in cb.engine.machine.loops["train"].signatures}
+    seen = {sig for sig in cb.engine.run.machine.loops["train"].signatures}
     assert len(seen) >= 10  # padded lengths seen in training
     per_target: dict[str, int] = {}
     for event in s["compile_events"]:

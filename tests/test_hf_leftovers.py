@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 
 from guardtrain import GuardTrainerCallback
 from guardtrain import hf_accelerate as hfa
-from guardtrain.engine.session import stance_is_unsafe
+from guardtrain.engine.process import stance_is_unsafe
 
 RELEASED = "ended without its end event"
 

@@ -144,10 +144,10 @@ def test_steady_loop_sees_every_signature_change() -> None:
         _steps(tuner, model, [_pair() for _ in range(6)])
         assert tuner.phase == "steady"
         engine = tuner.engine
-        same = engine.run.same_signature["train"]
-        assert same is not None and same.signature is engine.machine.loops["train"].last_signature
+        same = engine.run.machine.loops["train"].same
+        assert same is not None and same.signature is engine.run.machine.loops["train"].last_signature
         _steps(tuner, model, [_pair() for _ in range(3)])
-        assert tuner.phase == "steady" and engine.run.same_signature["train"] is same
+        assert tuner.phase == "steady" and engine.run.machine.loops["train"].same is same
         # Other strides (of the target, which the model does not see), the same
         # signature: compared in full, no re-arm, no check.
         other = (torch.randn(16, 8), torch.randn(1, 16).t())
@@ -166,13 +166,13 @@ def test_steady_loop_sees_every_signature_change() -> None:
         _steps(tuner, model, [_pair() for _ in range(4)])
         assert tuner.phase == "steady" and len(tuner.summary()["rearms"]) == 1
         # A rebuilt target forgets every signature: the matcher must not survive it.
-        engine._rebuild(engine.targets.installed[0], "test")
-        assert engine.machine.loops["train"].last_signature is None
-        assert engine.run.same_signature["train"] is not None
+        engine._repairs.rebuild(engine.targets.installed[0], "test")
+        assert engine.run.machine.loops["train"].last_signature is None
+        assert engine.run.machine.loops["train"].same is not None
         _steps(tuner, model, [_pair() for _ in range(6)])
         assert tuner.phase == "steady"
         assert _pair()[0].shape in {
-            s[1][0][0] for s in engine.machine.loops["train"].signatures
+            s[1][0][0] for s in engine.run.machine.loops["train"].signatures
         }  # the signature was remembered again
 
 
@@ -185,13 +185,13 @@ def test_no_matcher_for_shapes_that_change_every_batch() -> None:
     ) as tuner:
         engine = tuner.engine
         _steps(tuner, model, [_pair(4)])
-        assert engine.run.same_signature.get("train") is None  # seen once
+        assert engine.run.machine.loops["train"].same is None  # seen once
         _steps(tuner, model, [_pair(4)])
-        first = engine.run.same_signature["train"]
+        first = engine.run.machine.loops["train"].same
         assert first is not None and first.matches(_pair(4))
         for n in (5, 6, 7, 5):
             _steps(tuner, model, [_pair(n)])
-            assert engine.run.same_signature["train"] is first  # none made for a change
+            assert engine.run.machine.loops["train"].same is first  # none made for a change
         _steps(tuner, model, [_pair(5)])  # 5 twice in a row
-        made = engine.run.same_signature["train"]
+        made = engine.run.machine.loops["train"].same
         assert made is not first and made is not None and made.matches(_pair(5))

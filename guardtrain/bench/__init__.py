@@ -19,7 +19,7 @@ Configurations:
   a :class:`~guardtrain.engine.engine.GuardEngine` set up as for a run): one
   :class:`~guardtrain.compile.CompiledTarget` per target with the preset's
   filter and soundness floor and ``install_free_tensors``; Dynamo config values
-  set through a :class:`~guardtrain.engine.session.StanceSession` only while the
+  set through a :class:`~guardtrain.engine.process.DynamoSettings` only while the
   configuration runs; after warm-up (``use_stance``) the targets steady unless
   :func:`guardtrain.engine.decisions.blocker` says no: each call sets
   ``skip_guard_eval_unsafe`` around its own compiled call (H41), with the targets'

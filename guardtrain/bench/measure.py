@@ -15,7 +15,7 @@ import torch
 from guardtrain.bench.models import CONFIGS, MODELS, BenchModel, build_model, parse_configs
 from guardtrain.bench.runner import Runner, make_runner
 from guardtrain.compile import resolve_targets
-from guardtrain.engine.session import stance_is_unsafe
+from guardtrain.engine.process import stance_is_unsafe
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.profiling import LookupWindow
 

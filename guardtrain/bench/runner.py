@@ -3,7 +3,7 @@
 The presets get their levers from the engine (:func:`preset_levers`: a
 :class:`~guardtrain.engine.engine.GuardEngine` set up for this torch, exactly as
 the callback's run would be); Dynamo's config values go through a
-:class:`~guardtrain.engine.session.StanceSession`, switched on only while the
+:class:`~guardtrain.engine.process.DynamoSettings` (from :data:`~guardtrain.engine.process.PROCESS`), switched on only while the
 configuration runs, and each steady call sets the stance around its own compiled
 call (H41), as in a run; what blocks the stance is
 :func:`guardtrain.engine.decisions.blocker`. Only the references are the
@@ -34,7 +34,7 @@ from guardtrain.engine.config import make_config
 from guardtrain.engine.engine import GuardEngine
 from guardtrain.engine.host import Host
 from guardtrain.engine.phases import Loop
-from guardtrain.engine.session import StanceSession
+from guardtrain.engine.process import PROCESS
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.profiling import LookupStats, LookupWindow
 
@@ -126,7 +126,7 @@ class Runner:
         self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-4)
         self.call: Callable[..., Any] = self.module
         self.targets: list[CompiledTarget] = []
-        self.session = StanceSession(OWNER)
+        self.dynamo = PROCESS.start_run(OWNER)
         self.stance_on = False
         self.config_values: dict[str, Any] = {}
         self.switched_off: list[dict[str, str]] = []
@@ -191,22 +191,20 @@ class Runner:
             return
         self.stance_on = on
         for target in self.targets:
-            target.set_under_stance(on, self.session.stances)
+            target.set_under_stance(on, self.dynamo.stances)
 
     @contextmanager
     def active(self) -> Iterator[None]:
         """Dynamo config and stance of this configuration; compiles counted."""
-        self.session.begin()
         before = _frames()
         try:
-            for key, value in self.config_values.items():
-                self.session.set_config(key, value)
+            self.dynamo.begin(self.config_values)
             if self.steady:
                 self._set_stance(True)
             yield
         finally:
             self._set_stance(False)
-            self.session.restore()
+            self.dynamo.restore()
             done = _frames() - before
             self.compiles += done
             if self.measuring:
@@ -364,11 +362,8 @@ class EngineRunner(Runner):
         self.warmup_rearms: list[str] = []
         self.warmup_batches = 0
         self.measured_phase: str | None = None
-        cfg = torch._dynamo.config
-        before = {key: getattr(cfg, key) for key in self.config_values}
         self.engine.activate(self.module, host, root_by_default=True)
-        for key, value in before.items():  # set only while this configuration runs
-            setattr(cfg, key, value)
+        self.engine.pause()  # its Dynamo config is set only while this configuration runs
         self.targets = list(self.engine.targets.installed)
         self.switched_off = list(self.engine.summary()["switched_off"])
 
@@ -376,29 +371,25 @@ class EngineRunner(Runner):
     def active(self) -> Iterator[None]:
         """One training batch of the engine, with its Dynamo config."""
         engine = self.engine
-        cfg = torch._dynamo.config
-        saved = {key: getattr(cfg, key) for key in self.config_values}
         before = _frames()
-        for key, value in self.config_values.items():
-            setattr(cfg, key, value)
+        engine.resume()
         engine.batch_start(_TRAIN, self.args, self.module.training)
         try:
             yield
         finally:
             engine.batch_end(_TRAIN)
-            for key, value in saved.items():
-                setattr(cfg, key, value)
+            engine.pause()
             done = _frames() - before
             self.compiles += done
             if self.measuring:
                 self.steady_compiles += done
-            rearms = engine.machine.rearms
+            rearms = engine.rearms
             self.misses.extend(str(r["reason"]) for r in rearms[self._rearms_seen :])
             self._rearms_seen = len(rearms)
             self.targets = list(engine.targets.installed)
 
     def blocker(self) -> str | None:
-        return self.engine.run.stance_blocked
+        return self.engine.stance_blocked
 
     def warm_up(self, max_rounds: int = 12) -> None:
         """Batches of training steps and ``no_grad`` calls until the engine entered the

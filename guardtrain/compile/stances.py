@@ -3,7 +3,7 @@
 Torch's stance is one value for the whole process. guardtrain never sets it for the
 process: a steady call of a target sets ``unsafe`` around its own compiled call and
 puts back what it found (:func:`guardtrain.compile.forward.steady`). The values are
-made once per run (:class:`~guardtrain.engine.session.StanceSession`), so the
+made once per run (:class:`~guardtrain.engine.process.DynamoSettings`), so the
 per-call path only assigns a prebuilt object and compares identities.
 """
 

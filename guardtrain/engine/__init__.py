@@ -1,9 +1,11 @@
 """guardtrain's engine: everything a run decides, with no Lightning import.
 
 * :mod:`~guardtrain.engine.engine`: :class:`GuardEngine`, which the adapters drive: a
-  run's lifecycle, its loops and batches.
-* :mod:`~guardtrain.engine.reactions`: the engine's acts (re-arm, rebuild, the stance,
-  entry), its answers to its targets' reports, and the checks it runs around a batch.
+  run's lifecycle, its loops and batches, and what it shows them.
+* :mod:`~guardtrain.engine.run`: the parts of one run that the engine's parts share.
+* :mod:`~guardtrain.engine.batches`: the checks around a batch, and entry into the stance.
+* :mod:`~guardtrain.engine.repairs`: re-arms, rebuilds, the steady switch, and the
+  answers to what the targets report.
 * :mod:`~guardtrain.engine.host`: :class:`Host`, how the engine reaches the outside.
 * :mod:`~guardtrain.engine.config`: the adapters' arguments, written once and validated (:class:`GuardConfig`).
 * :mod:`~guardtrain.engine.levers`: the levers the installed torch and the strategy allow.
@@ -16,7 +18,9 @@
 * :mod:`~guardtrain.engine.summary`: ``summary()``, ``state_dict()``, the table, metrics.
 * :mod:`~guardtrain.engine.phases`: the warm-up -> steady -> re-armed machine per loop.
 * :mod:`~guardtrain.engine.decisions`: per-batch, audit and entry decisions, pure.
-* :mod:`~guardtrain.engine.session`: Dynamo config, saved and restored; the run's stance values.
+* :mod:`~guardtrain.engine.process`: everything guardtrain changes in the process, in one
+  place (:data:`PROCESS`): Dynamo config, stance values, wrappers, take-overs, live runs.
+* :mod:`~guardtrain.engine.runs`: the runs that hold modules (a dead one is released).
 * :mod:`~guardtrain.engine.agreement`: how ranks decide together.
 * :mod:`~guardtrain.engine.breaks`: where Dynamo's graph breaks are (reason, file, line).
 * :mod:`~guardtrain.engine.warmstart`: the compile cache saved and loaded (``compile_cache``).
@@ -32,7 +36,7 @@ from guardtrain.engine.config import DISABLE_ENV, GuardConfig, make_config
 from guardtrain.engine.engine import GuardEngine
 from guardtrain.engine.host import Host
 from guardtrain.engine.phases import LOOPS, Loop, Phase, PhaseMachine
-from guardtrain.engine.session import StanceSession
+from guardtrain.engine.process import PROCESS, DynamoSettings, ProcessState
 
 __all__ = [
     "DISABLE_ENV",
@@ -46,7 +50,9 @@ __all__ = [
     "RankAgreement",
     "ReduceAgreement",
     "SingleProcess",
-    "StanceSession",
+    "DynamoSettings",
+    "PROCESS",
+    "ProcessState",
     "TorchDistributed",
     "make_config",
 ]

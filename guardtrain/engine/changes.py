@@ -53,6 +53,9 @@ class Action(enum.StrEnum):
     """Leave the stance: the call runs with full guards and Dynamo recompiles."""
     SWITCH = "switch"
     """Run the code of the parameters' new ``requires_grad`` pattern (H42)."""
+    FORGET = "forget"
+    """No change: FSDP swapped the parameter objects, which are graph inputs without
+    ``install_free_tensors``; forget the fingerprint, taken again after the next compile."""
 
 
 def decide(target: Any, under_stance: bool) -> tuple[Action, Change, str] | None:

@@ -1,10 +1,11 @@
-"""Checks: loop boundaries, audits, verify batches and unseen inputs. They return findings.
+"""Checks: loop boundaries, changes caught before a call, misses, audits. They find.
 
-Each check reads the targets and says what it found; the engine acts on it
-(re-arms, rebuilds, counts a caught change), as Lightning's ``EarlyStopping``
-returns ``(should_stop, reason)`` for its hook to act on. :class:`Checks` holds
-what the checks of one run remember: which check the current batch is, the
-targets skipped once, and the counts of unseen batches kept under the stance.
+Each check reads the targets and returns what it found; the engine acts on it
+(re-arms, rebuilds, takes a reference again, counts a caught change), as Lightning's
+``EarlyStopping`` returns ``(should_stop, reason)`` for its hook to act on. No check
+changes a target, a phase or a cache. :class:`Checks` holds what the checks of one run
+remember: which check the current batch is, the targets skipped once, and the counts
+of unseen batches kept under the stance.
 """
 
 from __future__ import annotations
@@ -16,19 +17,9 @@ from guardtrain.compile import CompiledTarget, Miss, MissReason
 from guardtrain.engine import decisions
 from guardtrain.engine.changes import Action, Change, decide
 from guardtrain.engine.config import GuardConfig
-from guardtrain.engine.phases import PhaseMachine
 from guardtrain.fingerprints import fingerprint_change, module_fingerprint
-from guardtrain.signatures import SameSignature, batch_signature, describe_signature
 
-__all__ = [
-    "Checks",
-    "audit_reason",
-    "caught_change",
-    "miss",
-    "steady_batch",
-    "unseen",
-    "verify_mismatches",
-]
+__all__ = ["Checks", "Finding", "audit_reason", "caught_change", "miss"]
 
 
 @dataclass(slots=True)
@@ -80,55 +71,51 @@ class Checks:
             self.audit_again = False
         self.audit_batch = self.audit_unseen = False
 
-    def start_inputs(self, described: str, targets: list[CompiledTarget]) -> None:
-        """Each call of this batch checks its inputs against an entry's guards (H26)."""
-        self.checking = described
-        for target in targets:
-            target.start_checking()
-
-    def stop_inputs(self, targets: list[CompiledTarget]) -> None:
-        """End the input checks, counting the calls that an entry accepted."""
-        self.checking = None
-        for target in targets:
-            self.checked_calls += target.stop_checking()
-
     def boundary(
         self, target: CompiledTarget, label: str, swaps_parameters: str | None = None
-    ) -> tuple[bool, str] | None:
-        """What the boundary re-check finds in ``target``: ``(rebuild, why)`` or None.
+    ) -> Finding:
+        """What the boundary re-check finds in ``target`` (:class:`Finding`).
 
-        ``rebuild`` is True when its entries no longer fit (a changed fingerprint, a
-        stale dropped guard, code that Dynamo skipped, H18); False when no entry's
-        kept guards hold (``why`` then says what changed: a steady loop leaves the
-        stance).
+        ``rebuild`` says why its entries no longer fit (a changed fingerprint, a stale
+        dropped guard, code that Dynamo skipped, H18); else ``leave`` says why no
+        entry's kept guards hold (a steady loop leaves the stance).
 
         ``swaps_parameters`` (FSDP): without install_free_tensors a swapped parameter is
         no change, as in :func:`caught_change`. The boundary may see the sharded
         parameters where the reference, taken inside a forward, saw the gathered ones
         (the Trainer's hooks: FSDP2 keeps the root's group gathered until backward), so
-        only the hooks are compared and the reference is taken again as it is here.
+        only the hooks are compared (``retake``: take the reference again as it is here).
         """
         if target.calls and target.cache_entries() == 0 and label not in self.skipped:
             # Dynamo marked the code skipped, e.g. after a call under a dispatch
             # mode that guardtrain did not see (H18): a fresh code object compiles.
             self.skipped.append(label)
-            return True, "Dynamo skipped its code, it ran uncompiled"
-        change = None
+            return Finding(rebuild="Dynamo skipped its code, it ran uncompiled")
+        change, retake = None, False
         if target.reference is not None:
             now = module_fingerprint(target.module)
             change = fingerprint_change(target.reference, now)
             if change is not None and swaps_parameters and not target.code.install_free_tensors:
                 change = fingerprint_change(_hook_rows(target.reference), _hook_rows(now))
-                if change is None:
-                    target.take_reference()
+                retake = change is None
         stale, unmatched = target.check_assertions()
         if change is None and stale is not None:
             change = f"{stale} (a guard that was dropped or skipped)"
         if change is not None:
-            return True, change
-        if unmatched is not None:
-            return False, unmatched
-        return None
+            return Finding(rebuild=change)
+        return Finding(leave=unmatched, retake=retake)
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """What the boundary re-check found in one target; the engine acts on it."""
+
+    rebuild: str | None = None
+    """Why its entries no longer fit: it is rebuilt."""
+    leave: str | None = None
+    """Why no entry's kept guards hold: a steady loop leaves the stance."""
+    retake: bool = False
+    """Under FSDP, only swapped parameters moved: the reference is taken again."""
 
 
 def _hook_rows(fingerprint: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -145,12 +132,6 @@ def audit_reason(events: list[dict[str, Any]]) -> str:
     )
 
 
-def verify_mismatches(targets: list[CompiledTarget]) -> list[tuple[CompiledTarget, str]]:
-    """End a verify batch: each target whose compiled result differed from eager, and how."""
-    found = [(t, t.stop_verify()) for t in targets]
-    return [(t, mismatch) for t, mismatch in found if mismatch is not None]
-
-
 def caught_change(
     target: CompiledTarget, swaps_parameters: str | None
 ) -> tuple[Action, Change, str] | None:
@@ -158,15 +139,15 @@ def caught_change(
 
     FSDP swaps the parameter objects around every forward by design: without
     install_free_tensors they are graph inputs, read afresh by every call, so a
-    swap there is no change (the fingerprint is taken again after the next compile).
+    swap there is no change: :attr:`~guardtrain.engine.changes.Action.FORGET` (the
+    fingerprint is taken again after the next compile).
     """
     found = decide(target, target.under_stance)
     if found is None:
         return None
-    kind = found[1]
+    kind, reason = found[1], found[2]
     if kind is Change.PARAMETERS and swaps_parameters and not target.code.install_free_tensors:
-        target.forget_reference()  # taken again after the next compile
-        return None
+        return Action.FORGET, kind, reason  # the reference is taken after the next compile
     return found
 
 
@@ -201,53 +182,3 @@ def miss(label: str, miss: Miss, checking: str | None, paired: bool) -> tuple[Ch
             reason += " (here or on another rank: guard collectives share misses)"
         reason = f"stance miss in {label!r}: {reason}"
     return None, reason
-
-
-def unseen(
-    machine: PhaseMachine,
-    loop: str,
-    batch: Any,
-    same_signature: dict[str, SameSignature | None],
-) -> tuple[bool, Any]:
-    """Whether ``batch``'s signature is new to ``loop``, and the signature, read in full.
-
-    For a batch that the loop's matcher in ``same_signature`` did not recognise.
-    The loop is given a new matcher when the batch repeats the previous one's
-    signature, so that the next such batch is recognised fast.
-    """
-    state = machine.loops[loop]
-    signature = batch_signature(batch)
-    last = state.last_signature
-    found = machine.new_signature(loop, signature)
-    if state.last_signature is last:
-        # The previous batch's signature again: recognise the next one fast.
-        # Not after a change, so that shapes that vary from batch to batch
-        # (H26) pay nothing for a matcher they would never use.
-        same_signature[loop] = SameSignature.of(batch, last, same_signature.get(loop))
-    return found, signature
-
-
-def steady_batch(
-    loop: str,
-    new: bool,
-    signature: Any,
-    training: bool,
-    warmed_training: bool | None,
-    paired: bool,
-) -> tuple[str | None, str | None, bool]:
-    """A steady loop's batch with a new signature (``new``) or another mode.
-
-    Returns ``(reason, check, probe)``: why the loop leaves the stance (None: it
-    stays); the described signature whose calls each check their inputs under
-    the stance (H26); and whether the batch probes the signature with full
-    guards (with paired calls: if it compiles nothing, the stance resumes).
-    """
-    reason = decisions.leave_reason(loop, None, training, warmed_training)
-    if reason is not None or not new:
-        return reason, None, False
-    described = describe_signature(signature)
-    if paired:
-        # One batch with full guards (H26): if it compiles nothing, the
-        # loop's cache serves this signature and the stance resumes.
-        return f"unseen batch signature {described}", None, True
-    return None, described, False

@@ -1,7 +1,8 @@
 """The engine's decisions as small pure functions: no torch state is read or changed.
 
 Each takes plain values, so each is unit-tested without a Trainer
-(``tests/test_decisions.py``).
+(``tests/test_decisions.py``): when an audit or verify batch is due, what an audit
+found, whether a steady loop's batch stays steady, and what blocks entry.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "due_check",
     "leave_reason",
     "next_check",
+    "steady_batch",
 ]
 
 CHECK_AUDIT = "audit"
@@ -103,6 +105,45 @@ def leave_reason(
     if training is not expected:
         return f"module.training is {training} in the {loop} loop"
     return None
+
+
+def steady_batch(
+    loop: str,
+    unseen: str | None,
+    training: bool,
+    warmed_training: bool | None,
+    paired: bool,
+) -> tuple[str | None, str | None, bool]:
+    """A steady loop's batch: whether it stays steady.
+
+    Args:
+        loop: the loop's name.
+        unseen: the described signature of a batch not seen with full guards, or None.
+        training: the module's ``training`` flag now.
+        warmed_training: the flag the loop warmed up with (:func:`leave_reason`).
+        paired: guard collectives pair every compiled call across ranks.
+
+    Returns ``(reason, check, probe)``: why the loop leaves the stance (None: it stays);
+    the described signature whose calls each check their inputs under the stance (H26);
+    and whether the batch probes the signature with full guards (with paired calls a
+    check on one rank alone would break the pairing: if the probe compiles nothing, the
+    loop's cache serves the signature and the stance resumes).
+
+    >>> steady_batch("train", None, True, None, False)
+    (None, None, False)
+    >>> steady_batch("train", "(x: 4x8)", True, None, False)
+    (None, '(x: 4x8)', False)
+    >>> steady_batch("train", "(x: 4x8)", True, None, True)
+    ('unseen batch signature (x: 4x8)', None, True)
+    >>> steady_batch("train", None, False, None, False)
+    ('module.training is False in the train loop', None, False)
+    """
+    reason = leave_reason(loop, None, training, warmed_training)
+    if reason is not None or unseen is None:
+        return reason, None, False
+    if paired:
+        return leave_reason(loop, unseen, training, warmed_training), None, True
+    return None, unseen, False
 
 
 class TargetView(Protocol):

@@ -1,22 +1,28 @@
-"""GuardEngine: one run's lifecycle, loops and batches, and its decisions, for every adapter.
+"""GuardEngine: one run's lifecycle, loops and batches, for every adapter.
 
-An adapter (the Lightning callback, ``GuardTuner``, the bench) tells the engine
-where the run is, and nothing else:
+An adapter (the Lightning callback, ``GuardTuner``, the Trainer callback, the bench)
+tells the engine where the run is, and reads what it shows:
 
 * :meth:`GuardEngine.setup` once per run, :meth:`GuardEngine.activate` when the
   model is placed (targets are compiled in place), :meth:`GuardEngine.finish`
   at the end (everything restored, the summary logged once);
 * :meth:`GuardEngine.loop_start` / :meth:`GuardEngine.loop_end` around each
   pass of a loop, :meth:`GuardEngine.batch_start` / :meth:`GuardEngine.batch_end`
-  around each batch.
+  around each batch;
+* what it shows: :attr:`~GuardEngine.active`, :attr:`~GuardEngine.phase`,
+  :meth:`~GuardEngine.steady`, :meth:`~GuardEngine.warmed`,
+  :attr:`~GuardEngine.rearms`, :attr:`~GuardEngine.stance_blocked`,
+  :meth:`~GuardEngine.summary`.
 
-The engine coordinates its rooms and is the only one that acts: it re-arms,
-rebuilds, enters the stance and leaves it. The levers come from
-:mod:`~guardtrain.engine.levers`, the targets live in a
-:class:`~guardtrain.engine.targets.TargetSet`, the checks
-(:mod:`~guardtrain.engine.checks`) return findings, and
-:mod:`~guardtrain.engine.summary` reports. The engine imports no Lightning: it
-talks to the outside through a :class:`~guardtrain.engine.host.Host`.
+No adapter reads the engine's parts (``run``, its phase machine, its Dynamo settings)
+or torch's stance; ``tests/test_contract.py`` walks their code for it. The engine
+holds its parts, each given the run's parts (:class:`~guardtrain.engine.run.Run`):
+:class:`~guardtrain.engine.batches.BatchChecks` (the checks around a batch, entry),
+:class:`~guardtrain.engine.repairs.Repairs` (re-arms, rebuilds, the steady switch, the
+answers to the targets' reports), and the run's
+:class:`~guardtrain.engine.phases.PhaseMachine`, through which every phase change
+goes. The engine imports no Lightning: it talks to the outside through a
+:class:`~guardtrain.engine.host.Host`.
 """
 
 from __future__ import annotations
@@ -29,20 +35,23 @@ from guardtrain import versions as _versions
 from guardtrain.engine import levers as _levers
 from guardtrain.engine import runs as _runs
 from guardtrain.engine import summary, warmstart
+from guardtrain.engine.batches import STEADY, BatchChecks
 from guardtrain.engine.checks import Checks
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
 from guardtrain.engine.host import Host
+from guardtrain.engine.levers import Levers
 from guardtrain.engine.lookup import LookupWindows
 from guardtrain.engine.phases import Phase, PhaseMachine
-from guardtrain.engine.reactions import STEADY, TRAIN, Reactions, RunState
-from guardtrain.engine.session import StanceSession
+from guardtrain.engine.process import PROCESS
+from guardtrain.engine.repairs import Repairs
+from guardtrain.engine.run import TRAIN, Run, RunState
 from guardtrain.engine.targets import Hooks, TargetSet
 from guardtrain.profiling import CompileMonitor
 
 __all__ = ["GuardEngine"]
 
 
-class GuardEngine(Reactions):
+class GuardEngine:
     """One adapter's runs: compiled targets, phases, checks, the stance and the report.
 
     Args:
@@ -52,50 +61,119 @@ class GuardEngine(Reactions):
     """
 
     def __init__(self, config: GuardConfig, host: Host | None = None) -> None:
-        self.config = config
-        """This run's arguments: the adapter's, with :meth:`setup`'s ``compile_kwargs``."""
         self._arguments = config
-        self.host = host or Host()
-        self.restored: dict[str, Any] = {}
-        """Counters of earlier runs (a checkpoint, or earlier trainer calls)."""
         self.compile_cache: dict[str, Any] | None = None
         """The warm start's state (``compile_cache=``), loaded once per engine."""
         self._dict_tags = _levers.DictTagsNotes()
         self._ran = False
         self._held = _Held(self)
-        hooks = Hooks(self._on_compile, self._on_miss, self._on_switch_off, self._on_change)
-        self.levers = _levers.requested(config)
-        self.targets = TargetSet(config, self.levers, hooks)
-        self._new_run()
+        hooks = Hooks(
+            lambda target, why: self._repairs.on_compile(target, why),
+            lambda target, miss: self._repairs.on_miss(target, miss),
+            lambda target, why: self._repairs.on_switch_off(target, why),
+            lambda target, note: self._repairs.on_change(target, note),
+        )
+        host = host or Host()
+        levers = _levers.requested(config)
+        self.run = Run(
+            config=config,
+            host=host,
+            levers=levers,
+            targets=TargetSet(config, levers, hooks),
+            machine=self._machine(config),
+            monitor=CompileMonitor(),
+            dynamo=PROCESS.start_run(host.owner),
+        )
+        """The run's parts (the engine's own: adapters read what the engine shows)."""
+        self._repairs = Repairs(self.run)
+        self._batches = BatchChecks(self.run, self._repairs)
+        self.metrics = summary.MetricsLog()
+
+    @staticmethod
+    def _machine(config: GuardConfig) -> PhaseMachine:
+        lv = config.levers
+        return PhaseMachine(lv.warmup_steps, lv.stable_steps, lv.use_stance)
 
     def _new_run(self) -> None:
-        lv = self.config.levers
-        self.machine = PhaseMachine(lv.warmup_steps, lv.stable_steps, lv.use_stance)
-        self.monitor = CompileMonitor()
-        self.session = StanceSession(self.host.owner)
-        self.levers = _levers.requested(self.config)
-        self.targets = self.targets.next_run(self.config, self.levers)
-        self.checks = Checks()
-        self.lookup = LookupWindows()
+        r = self.run
+        r.machine = self._machine(r.config)
+        r.monitor = CompileMonitor()
+        r.dynamo = PROCESS.start_run(r.host.owner)
+        r.levers = _levers.requested(r.config)
+        r.targets = r.targets.next_run(r.config, r.levers)
+        r.checks, r.lookup, r.state = Checks(), LookupWindows(), RunState()
         self.metrics = summary.MetricsLog()
-        self.run = RunState()
 
     # -- what the adapters read -------------------------------------------------------------
 
     @property
+    def config(self) -> GuardConfig:
+        """This run's arguments: the adapter's, with :meth:`setup`'s ``compile_kwargs``."""
+        return self.run.config
+
+    @property
+    def host(self) -> Host:
+        """How the engine reaches the adapter (an adapter may set its own per run)."""
+        return self.run.host
+
+    @host.setter
+    def host(self, host: Host) -> None:
+        self.run.host = host
+        self.run.dynamo.owner = host.owner
+
+    @property
+    def levers(self) -> Levers:
+        """The levers this torch and strategy allow (after :meth:`setup`)."""
+        return self.run.levers
+
+    @property
+    def targets(self) -> TargetSet:
+        return self.run.targets
+
+    @property
     def active(self) -> bool:
-        return self.run.active
+        """Between :meth:`activate` and :meth:`restore`: the targets are compiled in place."""
+        return self.run.state.active
 
     @property
     def phase(self) -> str:
         """The training loop's phase: ``"warmup"``, ``"steady"``, or ``"off"`` (no stance)."""
-        if self.config.disabled or not self.config.levers.use_stance or self.run.stance_blocked:
+        r = self.run
+        if r.config.disabled or not r.config.levers.use_stance or r.machine.blocked:
             return Phase.OFF.value
-        return str(self.machine.phase(TRAIN))
+        return str(r.machine.phase(TRAIN))
+
+    def steady(self, loop: str) -> bool:
+        """Whether ``loop``'s batches run steady now (under the stance, or directly)."""
+        return self.run.machine.steady(loop)
+
+    def warmed(self, loop: str) -> bool:
+        """Whether ``loop`` has warmed up: steady, or ready to enter at its next decision."""
+        m = self.run.machine
+        return m.steady(loop) or m.ready(loop)
+
+    @property
+    def rearms(self) -> list[dict[str, Any]]:
+        """This run's re-arms so far (``step``, ``reason``, ``loop``, ``rank``)."""
+        return list(self.run.machine.rearms)
+
+    @property
+    def stance_blocked(self) -> str | None:
+        """Why the stance stays off for the rest of the run, or None."""
+        return self.run.machine.blocked
+
+    @property
+    def restored(self) -> dict[str, Any]:
+        """Counters of earlier runs (a checkpoint, or earlier trainer calls)."""
+        return self.run.restored
+
+    def train_batches(self) -> int:
+        """Training batches of this run and the earlier ones (a checkpoint's included)."""
+        return self.run.train_batches()
 
     def summary(self) -> dict[str, Any]:
         """Counters and history of the runs so far, as a plain dict."""
-        return summary.build(self)
+        return summary.build(self.run, self.phase, self.compile_cache)
 
     def format_summary(self) -> str:
         return summary.format_summary(self.summary())
@@ -104,11 +182,20 @@ class GuardEngine(Reactions):
         return summary.state_dict(self.summary(), self.train_batches())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.restored = summary.loaded(state_dict)
+        self.run.restored = summary.loaded(state_dict)
 
     def config_values(self) -> dict[str, Any]:
         """The ``torch._dynamo.config`` values a run sets (after :meth:`setup`)."""
-        return _levers.config_values(self.config, self.levers, self._dict_tags)
+        return _levers.config_values(self.run.config, self.run.levers, self._dict_tags)
+
+    def gather_rearms(self) -> None:
+        """With several processes, collect every rank's re-arms for rank zero's summary."""
+        r = self.run
+        if not r.machine.collective or r.config.disabled:
+            return
+        gathered = r.host.agreement.gather(list(r.machine.rearms))
+        merged = [x for rearms in gathered for x in (rearms or [])]
+        r.state.all_rearms = sorted(merged, key=lambda x: (x["step"], x.get("rank", 0)))
 
     # -- a run -------------------------------------------------------------------------------
 
@@ -137,36 +224,37 @@ class GuardEngine(Reactions):
                 ``took_over`` lists them first).
         """
         self.restore()  # this engine's run that ended without its events (H45)
-        _runs.release_dead_runs(self._held, self.host)  # dead runs put their config back
-        self.config = self._arguments.for_run(compile_kwargs)
+        r = self.run
+        _runs.release_dead_runs(self._held, r.host)  # dead runs put their config back
+        r.config = self._arguments.for_run(compile_kwargs)
         if self._ran:  # a later run: the summary goes on from the earlier ones
-            self.restored = summary.carried(self.summary(), self.train_batches())
+            r.restored = summary.carried(self.summary(), self.train_batches())
             self._ran = False
         self._new_run()
-        self.targets.adapter_took_over = list(took_over or ())
-        if self.config.disabled:
-            self.host.info(
-                f"guardtrain: {DISABLE_ENV} is set; {self.host.owner} does nothing "
+        r.targets.adapter_took_over = list(took_over or ())
+        if r.config.disabled:
+            r.host.info(
+                f"guardtrain: {DISABLE_ENV} is set; {r.host.owner} does nothing "
                 "(the model is not compiled)."
             )
             return
-        _versions.warn_if_untested(self.host.warn)
-        path = self.config.compile_cache
+        _versions.warn_if_untested(r.host.warn)
+        path = r.config.compile_cache
         if path is not None and self.compile_cache is None:  # before anything compiles
-            self.compile_cache = warmstart.load(path, self.host, self.config.compile_kwargs)
-        self.machine.collective = world_size > 1
-        self.run.rank = rank if self.machine.collective else None
-        self.run.swaps_parameters = swaps_parameters or sharded_by_hand
+            self.compile_cache = warmstart.load(path, r.host, r.config.compile_kwargs)
+        r.machine.collective = world_size > 1
+        r.state.rank = rank if r.machine.collective else None
+        r.state.swaps_parameters = swaps_parameters or sharded_by_hand
         _levers.resolve(
-            self.levers,
-            self.config,
-            self.host,
+            r.levers,
+            r.config,
+            r.host,
             self._dict_tags,
             world_size=world_size,
             swaps_parameters=swaps_parameters,
             sharded_by_hand=sharded_by_hand,
         )
-        self.machine.use_stance = self.levers.use_stance
+        r.machine.use_stance = r.levers.use_stance
 
     def activate(
         self,
@@ -185,70 +273,80 @@ class GuardEngine(Reactions):
             GuardTrainRuntimeError: the unsafe stance is already set, or a live run
                 holds a target (a run that is not live is released, H45).
         """
-        if self.run.active or self.config.disabled:
+        r = self.run
+        if r.state.active or r.config.disabled:
             return
         if host is not None:
             self.host = host
-            self.session.owner = host.owner
-        resolved = self.targets.resolve(root, root_by_default, default_targets)
-        _runs.claim(self._held, root, [n for n, _ in resolved], self.host)
-        self._begin_session(self.config_values())
-        self.run.active = True
+        resolved = r.targets.resolve(root, root_by_default, default_targets)
+        _runs.claim(self._held, root, [n for n, _ in resolved], r.host)
+        r.dynamo.begin(self.config_values())
+        r.state.active = True
         self._ran = True
         try:
-            self.targets.activate(root, resolved, self.host, self._paired())
+            r.targets.activate(root, resolved, r.host, r.paired())
         except BaseException:
             self.restore()
             raise
         _runs.RUNS.hold(self._held)
 
+    def pause(self) -> None:
+        """Put the run's Dynamo config back until :meth:`resume` (the bench runs several
+        configurations in one process and sets each one's only while it runs)."""
+        self.run.dynamo.pause()
+
+    def resume(self) -> None:
+        """Set the run's Dynamo config again after :meth:`pause`."""
+        self.run.dynamo.resume()
+
     def restore(self) -> None:
         """Put back everything the run changed: config, the targets' ``forward``."""
-        if not self.run.active:
+        r = self.run
+        if not r.state.active:
             return
-        self.run.active = False
+        r.state.active = False
         _runs.RUNS.drop(self._held)
-        self.lookup.stop()
-        self._stop_checking()
-        self._set_stance(False)
-        self.session.restore()
-        self.targets.restore()
+        r.lookup.stop()
+        self._repairs.stop_checking()
+        self._repairs.set_steady(False)
+        r.dynamo.restore()
+        r.targets.restore()
 
     def finish(self) -> None:
         """End the run: name targets that ran uncompiled, restore, save the compile cache
         (rank zero, ``compile_cache=``), log the summary once."""
-        idle = self.targets.idle(self._label)
+        r = self.run
+        idle = r.targets.idle(self._repairs.label)
         if idle:
-            self.run.uncompiled = idle
-            self.host.warn(
+            r.state.uncompiled = idle
+            r.host.warn(
                 f"guardtrain: target(s) {idle} ran uncompiled all run: their `forward` was "
                 "never called through the module (check `targets`), or Dynamo skipped it."
             )
         self.restore()
         if self.compile_cache is not None:
-            warmstart.save(self.compile_cache, self.host, self.host.agreement.rank)
-        if not self.run.summary_logged and not self.config.disabled:
-            self.run.summary_logged = True
-            self.host.info(self.format_summary())
+            warmstart.save(self.compile_cache, r.host, r.host.agreement.rank)
+        if not r.state.summary_logged and not r.config.disabled:
+            r.state.summary_logged = True
+            r.host.info(self.format_summary())
 
     # -- loops and batches -------------------------------------------------------------------
 
     def loop_start(self, loop: str) -> None:
         """A pass of ``loop`` starts: leave the stance; the first batch re-checks the model."""
-        run = self.run
-        if not run.active:
+        r = self.run
+        if not r.state.active:
             return
-        self._set_stance(False)
-        self._stop_checking()
-        run.loop = loop
-        run.pending.add(loop)
-        self.machine.pass_started(loop)
-        if loop != TRAIN and self.lookup.window is not None:
+        self._repairs.set_steady(False)
+        self._repairs.stop_checking()
+        r.state.loop = loop
+        r.state.pending.add(loop)
+        r.machine.pass_started(loop)
+        if loop != TRAIN and r.lookup.window is not None:
             # A window counts every compiled call: this loop's must not count as
             # training's (H27). Close it on the training batches it has measured.
-            size = self.config.lookup_window
-            if self.lookup.close(size - self.lookup.measure_left, size):
-                run.changes += 1  # log guard/lookup_us
+            size = r.config.lookup_window
+            r.lookup.close(size - r.lookup.measure_left, size)
 
     def batch_start(
         self, loop: str, batch: Any, training: bool, warmed_training: bool | None = None
@@ -262,86 +360,78 @@ class GuardEngine(Reactions):
             warmed_training: the flag the loop warmed up with (None: the
                 Trainer's rule, ``True`` in training only).
         """
-        run = self.run
-        if not run.active:
+        r = self.run
+        state = r.state
+        if not state.active:
             return
-        run.loop = loop
-        if loop in run.pending:
-            run.pending.discard(loop)
-            self._boundary_check(loop)
-        self.targets.batch_starts()  # the first call checks what events miss (H42)
-        if self.machine.use_stance:
-            state = self.machine.loops[loop]
-            steady, check = self._signature_and_mode(loop, state, batch, training, warmed_training)
+        state.loop = loop
+        if loop in state.pending:
+            state.pending.discard(loop)
+            self._batches.boundary(loop)
+        r.targets.batch_starts()  # the first call checks what events miss (H42)
+        m = r.machine
+        if m.use_stance:
+            batches, loop_state = self._batches, m.loops[loop]
+            steady, check = batches.steady_or_not(
+                loop, loop_state, batch, training, warmed_training
+            )
             if loop == TRAIN:
-                if self.lookup.measure is not None and steady:
-                    steady = self._lookup_batch(check is not None)
-                elif state.batches >= self.checks.next_check:
-                    steady = self._audit_or_verify(steady, check is not None)
-                if self.config.guard_collectives:
-                    self.session.set_guard_collectives(self._paired() and run.entered_together)
-            elif steady and self.host.sanity_checking():
+                if r.lookup.measure is not None and steady:
+                    steady = batches.lookup_batch(check is not None)
+                elif loop_state.batches >= r.checks.next_check:
+                    steady = batches.audit_or_verify(steady, check is not None)
+                if r.config.guard_collectives:
+                    r.dynamo.set_guard_collectives(r.paired() and state.entered_together)
+            elif steady and r.host.sanity_checking():
                 steady = False
-            if steady is not run.stance_on:
-                self._set_stance(steady)
+            if steady is not state.stance_on:
+                self._repairs.set_steady(steady)
             if check is not None and steady:
                 # The stance stays; each call first shows that an entry's guards
                 # accept its inputs, or leaves the stance before it runs (H26).
-                self._start_checking(check)
-        run.stance_at_start = run.stance_on
-        run.compiles_at_batch = self.monitor.compiles
+                self._repairs.start_checking(check)
+        state.stance_at_start = state.stance_on
+        state.compiles_at_batch = r.monitor.compiles
 
     def batch_end(self, loop: str) -> None:
         """Count the batch's compiles; decide entry at decision points."""
-        run, m = self.run, self.machine
-        if not run.active:
+        r = self.run
+        state = r.state
+        if not state.active:
             return
-        compiled = self.monitor.compiles != run.compiles_at_batch
-        self._end_checks(loop, compiled)
-        state = m.loops[loop]
-        if (
-            not compiled
-            and loop == TRAIN
-            and state.phase == STEADY
-            and state.warmed_once
-            and m.use_stance
-        ):
-            # PhaseMachine.batch_done for a steady training batch that compiled nothing, inline
-            # (the per-step path). A steady step ran under the stance throughout (not a
-            # lookup window's batch with full guards, nor one that left the stance).
-            state.batches += 1
-            state.since_compile += 1
-            m.steady_steps += run.stance_at_start and run.stance_on  # 1: a steady step
-        else:
-            m.batch_done(loop, compiled, run.stance_at_start and run.stance_on)
+        m = r.machine
+        compiled = r.monitor.compiles != state.compiles_at_batch
+        self._batches.end(loop, compiled)
+        m.batch_done(loop, compiled, state.stance_at_start and state.stance_on)
         if compiled:
-            self._after_compile()
-        if run.probe is not None:
-            self._end_probe(loop, compiled)
+            self._repairs.after_compile()
+        if state.probe is not None:
+            self._batches.end_probe(loop, compiled)
         if loop == TRAIN:
-            if m.collective or state.phase != STEADY:  # steady in one process: no decision
-                self._decision_point()
-            if run.logged_changes != run.changes:
+            if m.collective or m.loops[loop].phase != STEADY:  # steady alone: no decision
+                self._batches.decision_point()
+            if state.logged_changes != r.changes():
                 self._log_changes()
 
     def loop_end(self, loop: str, complete: bool = True) -> None:
         """A pass of ``loop`` ended (``complete`` is False for a sanity check or a cut pass)."""
-        run, m = self.run, self.machine
-        if not run.active:
+        r = self.run
+        if not r.state.active:
             return
-        self._set_stance(False)
-        self.session.set_guard_collectives(False)
-        m.pass_done(loop, complete)
-        if loop != TRAIN and m.use_stance:
-            self._decide(loop)
-        run.pending.add(TRAIN)
-        run.loop = None
+        self._repairs.set_steady(False)
+        r.dynamo.set_guard_collectives(False)
+        r.machine.pass_done(loop, complete)
+        if loop != TRAIN and r.machine.use_stance:
+            self._batches.decide(loop)
+        r.state.pending.add(TRAIN)
+        r.state.loop = None
 
     def _log_changes(self) -> None:
-        self.run.logged_changes = self.run.changes
-        if self.config.log_metrics and self.host.log_metrics is not None:
-            current = (self.phase, self.monitor.compiles, len(self.machine.rearms))
-            self.metrics.log(self.host, current, self.lookup.lookup, self.train_batches)
+        r = self.run
+        r.state.logged_changes = r.changes()
+        if r.config.log_metrics and r.host.log_metrics is not None:
+            current = (self.phase, r.monitor.compiles, len(r.machine.rearms))
+            self.metrics.log(r.host, current, r.lookup.lookup, self.train_batches)
 
 
 class _Held:
@@ -353,18 +443,18 @@ class _Held:
 
     @property
     def owner(self) -> str:
-        return self._engine.host.owner
+        return self._engine.run.host.owner
 
     def held_modules(self) -> list[nn.Module]:
-        return [target.module for target in self._engine.targets.installed]
+        return [target.module for target in self._engine.run.targets.installed]
 
     def live(self) -> bool:
-        return self._engine.host.live()
+        return self._engine.run.host.live()
 
     def described(self) -> str:
-        known_as = self._engine.host.known_as
-        return ", ".join(known_as(t.name) for t in self._engine.targets.installed)
+        known_as = self._engine.run.host.known_as
+        return ", ".join(known_as(t.name) for t in self._engine.run.targets.installed)
 
     def release_dead(self) -> None:
         self._engine.restore()
-        self._engine.host.on_release()
+        self._engine.run.host.on_release()

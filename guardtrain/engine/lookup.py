@@ -27,6 +27,8 @@ class LookupWindows:
     """µs per step: ``full_guards``, ``steady`` and the ``saving``."""
     lookup_calls: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per window: training steps measured and compiled calls (cache lookups) seen."""
+    results: int = 0
+    """Windows under the stance recorded so far (each is a change to log)."""
 
     def start(self, size: int) -> None:
         """Measure, from the next training batch, a window with full guards."""
@@ -78,6 +80,7 @@ class LookupWindows:
         if full:
             self.lookup["saving"] = 1.0 - per_step / full
         self.measure = None
+        self.results += 1
         return True
 
     def stop(self) -> None:

@@ -1,4 +1,12 @@
-"""The warm-up -> steady -> re-armed state machine. Pure Python, no Lightning.
+"""The warm-up -> steady -> re-armed state machine: the one owner of every loop's phase.
+
+Every transition of a loop goes through :class:`PhaseMachine`, with its inputs passed
+in: a finished batch (:meth:`~PhaseMachine.batch_done`, the per-step path too), a pass
+(:meth:`~PhaseMachine.pass_started`, :meth:`~PhaseMachine.pass_done`), an entry the
+engine decided (:meth:`~PhaseMachine.enter`), the resume after a probe
+(:meth:`~PhaseMachine.resume`), a re-arm (:meth:`~PhaseMachine.rearm`) and a stance
+blocked for the run (:meth:`~PhaseMachine.block`). It also remembers the batch
+signatures each loop has seen (:meth:`~PhaseMachine.unseen`). No torch state is read.
 
 Each loop (``"train"``, ``"validate"``, ``"test"``, ``"predict"``) has its own
 phase, because each runs the compiled code in another state (grad mode,
@@ -27,6 +35,8 @@ Example:
     'steady'
     >>> m.rearm("train", step=2, reason="batch signature changed"); m.phase("train")
     'warmup'
+    >>> m.changes  # an entry and a re-arm
+    2
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from guardtrain.signatures import SameSignature, batch_signature
 
 __all__ = ["LOOPS", "PHASE_NUMBERS", "Loop", "LoopState", "Phase", "PhaseMachine"]
 
@@ -84,6 +96,8 @@ class LoopState:
     """Batch signatures seen with full guards."""
     last_signature: Any = None
     """The previous batch's signature (most batches repeat it: no set lookup then)."""
+    same: SameSignature | None = None
+    """Recognises a batch with the previous batch's signature fast (the steady path)."""
 
 
 class PhaseMachine:
@@ -108,6 +122,10 @@ class PhaseMachine:
         self.rearms: list[dict[str, Any]] = []
         self.warmup_steps_taken = 0
         self.steady_steps = 0
+        self.changes = 0
+        """Entries, re-arms and a blocked stance so far (each moves the logged metrics)."""
+        self.blocked: str | None = None
+        """Why the stance stays off for the rest of the run (:meth:`block`), or None."""
 
     def phase(self, loop: str) -> str:
         return self.loops[loop].phase if self.use_stance else "off"
@@ -119,21 +137,21 @@ class PhaseMachine:
 
     def batch_done(self, loop: str, compiled: bool, under_stance: bool = True) -> None:
         """Count a finished batch; ``under_stance``: it ran under the stance throughout
-        (a steady step counts only then)."""
+        (a steady step counts only then: not a lookup window's batch with full guards,
+        nor one that left the stance). Runs once per batch: kept short."""
         state = self.loops[loop]
         state.batches += 1
-        if loop == "train":
-            if self.use_stance and state.phase == "steady":
-                if under_stance:
-                    self.steady_steps += 1
-            else:
-                self.warmup_steps_taken += 1
         if compiled:
             state.since_compile = 0
             state.pass_compiled = True
         else:
             state.since_compile += 1
-        if state.batches >= self.warmup_steps:
+        if loop == "train":
+            if state.phase == "steady" and self.use_stance:
+                self.steady_steps += under_stance
+            else:
+                self.warmup_steps_taken += 1
+        if not state.warmed_once and state.batches >= self.warmup_steps:
             state.warmed_once = True
 
     def pass_started(self, loop: str) -> None:
@@ -168,13 +186,32 @@ class PhaseMachine:
         return state.clean_pass
 
     def enter(self, loop: str) -> None:
+        """``loop`` enters the stance (the engine decided it: every rank's vote, H7)."""
         self.loops[loop].phase = "steady"
+        self.changes += 1
+
+    def resume(self, loop: str) -> None:
+        """``loop`` is steady again after a batch that probed an unseen signature with full
+        guards and compiled nothing (H26): its own cache served the batch, so this rank
+        resumes alone, with no vote."""
+        self.loops[loop].phase = "steady"
+        self.changes += 1
+
+    def block(self, reason: str) -> bool:
+        """The stance stays off for the rest of the run, for ``reason``; True the first
+        time (to be told once)."""
+        if self.blocked is not None:
+            return False
+        self.blocked = reason
+        self.changes += 1
+        return True
 
     def rearm(self, loop: str | None, step: int, reason: str, rank: int | None = None) -> None:
         """Send ``loop`` (or every loop when None) back to warm-up and record why.
 
         ``loop=None`` is for a rebuilt target: it also forgets the batch signatures.
         """
+        self.changes += 1
         names = LOOPS if loop is None else (loop,)
         for name in names:
             state = self.loops[name]
@@ -190,6 +227,22 @@ class PhaseMachine:
         if rank is not None:
             record["rank"] = rank
         self.rearms.append(record)
+
+    def unseen(self, loop: str, batch: Any) -> tuple[bool, Any]:
+        """Whether ``batch``'s signature is new to ``loop``, and the signature, read in full.
+
+        For a batch that the loop's matcher (:attr:`LoopState.same`) did not recognise.
+        The loop gets a new matcher when the batch repeats the previous one's signature,
+        so that the next such batch is recognised fast. Not after a change: shapes that
+        vary from batch to batch (H26) pay nothing for a matcher they would never use.
+        """
+        state = self.loops[loop]
+        signature = batch_signature(batch)
+        last = state.last_signature
+        found = self.new_signature(loop, signature)
+        if state.last_signature is last:
+            state.same = SameSignature.of(batch, last, state.same)
+        return found, signature
 
     def new_signature(self, loop: str, signature: Any) -> bool:
         """Remember a batch signature; True when it was not seen before."""

@@ -42,7 +42,7 @@ found compiled then still raises, in :func:`~guardtrain.compile.resolve.forward_
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 from torch import nn
 
@@ -92,6 +92,9 @@ class Runs:
 
     def __init__(self) -> None:
         self._runs: weakref.WeakSet[Holder] = weakref.WeakSet()
+
+    def __iter__(self) -> Iterator[Holder]:
+        return iter(list(self._runs))
 
     def hold(self, run: Holder) -> None:
         """``run`` has compiled modules in place (until :meth:`drop`)."""

@@ -1,6 +1,6 @@
 """The run's report: ``summary()``, ``state_dict()``, the summary table and ``guard/*`` metrics.
 
-:func:`build` reads an engine (through :class:`EngineView`) into a plain dict
+:func:`build` reads a run's parts (:class:`~guardtrain.engine.run.Run`) into a plain dict
 (``str``, ``int``, ``float``, lists and dicts of those), so checkpoints holding
 its values load with ``torch.load(weights_only=True)``. Everything else here is
 a pure function of that dict, or a small record of what was logged.
@@ -9,22 +9,16 @@ a pure function of that dict, or a small record of what was logged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from guardtrain.compile import CompiledTarget
 from guardtrain.engine import warmstart
-from guardtrain.engine.changes import ChangeLog
-from guardtrain.engine.checks import Checks
-from guardtrain.engine.config import GuardConfig
 from guardtrain.engine.host import Host
-from guardtrain.engine.levers import Levers
-from guardtrain.engine.lookup import LookupWindows
-from guardtrain.engine.phases import PHASE_NUMBERS, PhaseMachine
+from guardtrain.engine.phases import PHASE_NUMBERS
+from guardtrain.engine.run import Run
 from guardtrain.engine.targets import TargetSet, label
-from guardtrain.profiling import CompileMonitor
 
 __all__ = [
-    "EngineView",
     "MetricsLog",
     "build",
     "carried",
@@ -38,44 +32,15 @@ _CARRIED = ("compiles", "rearms", "warmup_steps_taken", "steady_steps")
 """Counters that a later run, or a restored checkpoint, goes on from."""
 
 
-class RunView(Protocol):
-    """What the summary reads of the engine's own run state."""
-
-    all_rearms: list[dict[str, Any]] | None
-    stance_blocked: str | None
-    uncompiled: list[str]
-    caught: ChangeLog
-
-
-class EngineView(Protocol):
-    """What the summary reads of a :class:`~guardtrain.engine.engine.GuardEngine`."""
-
-    config: GuardConfig
-    host: Host
-    restored: dict[str, Any]
-    compile_cache: dict[str, Any] | None
-    machine: PhaseMachine
-    monitor: CompileMonitor
-    levers: Levers
-    targets: TargetSet
-    checks: Checks
-    lookup: LookupWindows
-
-    @property
-    def run(self) -> RunView: ...
-
-    @property
-    def phase(self) -> str: ...
-
-
-def build(e: EngineView) -> dict[str, Any]:
-    """Counters and history of the runs so far, as a plain dict (``summary()``)."""
-    r, m, run, ts = e.restored, e.machine, e.run, e.targets
+def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str, Any]:
+    """Counters and history of the runs so far, as a plain dict (``summary()``): the run's
+    parts, the training loop's ``phase`` as the engine reports it, the warm start."""
+    r, m, run, ts = e.restored, e.machine, e.state, e.targets
     root = e.host.root_label
     lookup = e.lookup.lookup or r.get("lookup_us", {})
     return {
         "preset": e.config.preset,
-        "phase": e.phase,
+        "phase": phase,
         "phases": {str(loop): str(m.phase(loop)) for loop in m.loops},
         "compiles": e.monitor.compiles + r.get("compiles", 0),
         "rearms": list(r.get("rearms", []))
@@ -92,7 +57,7 @@ def build(e: EngineView) -> dict[str, Any]:
             "use_stance": e.levers.use_stance,
         },
         "switched_off": list(e.levers.switched_off),
-        "stance_blocked": run.stance_blocked,
+        "stance_blocked": m.blocked,
         "uncompiled_targets": list(run.uncompiled),
         "lookup_us": dict(lookup),
         "lookup_calls": dict(e.lookup.lookup_calls or r.get("lookup_calls", {})),
@@ -106,11 +71,11 @@ def build(e: EngineView) -> dict[str, Any]:
         "checked_calls": e.checks.checked_calls + r.get("checked_calls", 0),
         "graph_breaks": [dict(b) for b in ts.graph_breaks],
         "disabled": e.config.disabled,
-        "compile_cache": warmstart.summary(e.compile_cache),
+        "compile_cache": warmstart.summary(compile_cache),
     }
 
 
-def _direct(e: EngineView) -> dict[str, Any]:
+def _direct(e: Run) -> dict[str, Any]:
     """Direct dispatch (turbo): whether it is on, why not, and how many calls used it."""
     ts, root = e.targets, e.host.root_label
     refusals = _direct_refusals(ts, root) if e.levers.direct_dispatch else []

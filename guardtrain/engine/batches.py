@@ -1,0 +1,257 @@
+"""The checks around a batch, and entry: what the engine runs at a batch's start and end.
+
+:class:`BatchChecks` decides whether a batch runs steady (its signature and mode,
+:func:`~guardtrain.engine.decisions.steady_batch`), runs the lookup window's, the
+audit's and the verify batch's checks and the boundary re-check, and decides entry
+into the stance at decision points (:meth:`BatchChecks.decide`, the only place an
+entry is decided; the resume after a probe is the phase machine's
+:meth:`~guardtrain.engine.phases.PhaseMachine.resume`). What the checks find is acted on
+through :class:`~guardtrain.engine.repairs.Repairs`; every phase change goes through the
+run's :class:`~guardtrain.engine.phases.PhaseMachine`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from guardtrain.compile import CompiledTarget, grad_change, grad_moved, use_grad_variant
+from guardtrain.engine import checks, decisions
+from guardtrain.engine.changes import Change
+from guardtrain.engine.phases import LoopState, Phase
+from guardtrain.engine.repairs import Repairs
+from guardtrain.engine.run import TRAIN, Run
+from guardtrain.signatures import describe_signature
+
+__all__ = ["BatchChecks"]
+
+STEADY: str = Phase.STEADY.value
+
+
+class BatchChecks:
+    """One engine's checks around each batch, and its entry decisions.
+
+    Args:
+        run: the run's parts (each new run replaces them in place).
+        repairs: what acts on the findings.
+    """
+
+    def __init__(self, run: Run, repairs: Repairs) -> None:
+        self.run = run
+        self.repairs = repairs
+
+    # -- a batch's start -----------------------------------------------------------------------
+
+    def steady_or_not(
+        self,
+        loop: str,
+        state: LoopState,
+        batch: Any,
+        training: bool,
+        warmed_training: bool | None,
+    ) -> tuple[bool, str | None]:
+        """Whether the batch may run under the stance: ``(steady, check)``.
+
+        A steady loop leaves the stance for an unseen signature or another mode, or
+        keeps it and checks each call's inputs (``check``: the signature, H26).
+        """
+        steady = state.phase == STEADY
+        same = state.same
+        if same is not None and same.signature is state.last_signature and same.matches(batch):
+            unseen, signature = False, None  # the previous batch's signature (most batches)
+        else:
+            unseen, signature = self.run.machine.unseen(loop, batch)
+        if not steady or not (
+            unseen
+            or training is not ((loop == TRAIN) if warmed_training is None else warmed_training)
+        ):
+            return steady, None
+        described = describe_signature(signature) if unseen else None
+        reason, check, probe = decisions.steady_batch(
+            loop, described, training, warmed_training, self.run.paired()
+        )
+        if probe:
+            self.run.state.probe = loop
+        if reason is None:
+            return True, check
+        self.repairs.rearm(loop, reason)
+        return False, None
+
+    def lookup_batch(self, unseen: bool) -> bool:
+        """A lookup window's batch; False for one with full guards (a compile re-arms, as
+        in an audit; ``unseen``: the batch's signature is new, H26)."""
+        steady = self.run.lookup.batch()
+        if not steady:
+            self.run.checks.start_audit(unseen)
+        return steady
+
+    def audit_or_verify(self, steady: bool, unseen: bool) -> bool:
+        """Start an audit or a verify batch when one is due, or the audit's batch again
+        (``unseen``: this batch's signature is new, H26); return whether to use the stance."""
+        r = self.run
+        ch = r.checks
+        batches = r.machine.loops[TRAIN].batches
+        due = ch.due(batches, r.config)
+        if due == decisions.CHECK_AUDIT:
+            self.boundary(TRAIN)
+            if steady and r.machine.steady(TRAIN):
+                ch.start_audit(unseen)
+            steady = False
+        elif ch.audit_again and due is None and steady and not unseen:
+            # An audit batch with an unseen signature compiled for its inputs (H26): this
+            # steady batch with a seen signature runs with full guards as the audit.
+            ch.start_audit(False)
+            steady = False
+        elif due == decisions.CHECK_VERIFY:
+            self._start_verify(steady)
+        if ch.audit_again and not ch.audit_batch:
+            ch.next_check = batches + 1  # the audit's batch waits for a seen signature (H26)
+        return steady
+
+    def _start_verify(self, steady: bool) -> None:
+        """A verify batch: a steady one runs each target's eager ``forward`` beside it."""
+        r = self.run
+        r.checks.verify_batch = True
+        if steady:
+            for target in r.targets.installed:
+                target.start_verify(r.config.verify_rtol, r.config.verify_atol)
+
+    def boundary(self, loop: str) -> None:
+        """Re-check every target: rebuild those whose entries no longer fit; a steady
+        ``loop`` leaves the stance when no entry's kept guards hold."""
+        r, repairs = self.run, self.repairs
+        rebuild: list[tuple[CompiledTarget, str]] = []
+        for target in r.targets.installed:
+            if grad_moved(target):  # every rank at once, also with paired calls (H42)
+                repairs.caught(
+                    Change.REQUIRES_GRAD, f"{repairs.label(target)}: {grad_change(target)}"
+                )
+                use_grad_variant(target)
+            found = r.checks.boundary(target, repairs.label(target), r.state.swaps_parameters)
+            if found.retake:
+                target.take_reference()
+            if found.rebuild is not None:
+                rebuild.append((target, found.rebuild))
+            elif found.leave is not None and r.machine.steady(loop):
+                repairs.rearm(loop, f"{repairs.label(target)}: {found.leave}")
+        # A rebuilt target has no entries, so its first call issues no guard
+        # collective: with paired calls every rank rebuilds together.
+        if r.any_rank(bool(rebuild)) and not rebuild:
+            rebuild = [(t, "another rank rebuilt its targets") for t in r.targets.installed]
+        rebuilt: set[int] = set()
+        for target, change in rebuild:
+            drifted = target.code.shared and len(target.code.members) > 1 and target.drifted()
+            if drifted or id(target.code) not in rebuilt:  # shared code is rebuilt once
+                if not drifted:
+                    rebuilt.add(id(target.code))
+                repairs.rebuild_or_leave_shared(target, change)
+
+    # -- a batch's end -------------------------------------------------------------------------
+
+    def end(self, loop: str, compiled: bool) -> None:
+        """End this batch's input checks, audit, verify batch and lookup window batch."""
+        r = self.run
+        ch = r.checks
+        if ch.checking is not None:
+            if not compiled and r.machine.loops[loop].phase == STEADY:
+                ch.checked_batches += 1
+            self.repairs.stop_checking()
+        if ch.audit_batch:
+            self._end_audit(compiled)
+        if ch.verify_batch:
+            self._end_verify()
+        if r.lookup.window is not None and loop == TRAIN:
+            r.lookup.end_batch(r.config.lookup_window)
+
+    def end_probe(self, loop: str, compiled: bool) -> None:
+        """After a batch that probed an unseen signature with full guards (H26)."""
+        state = self.run.state
+        if state.probe == loop and not compiled and not self.run.machine.steady(loop):
+            self.run.machine.resume(loop)  # a rank may resume alone: its own cache served it
+        state.probe = None
+
+    def _end_verify(self) -> None:
+        """A verify batch rebuilds each target whose compiled result differed from eager."""
+        r = self.run
+        r.checks.verify_batch = False
+        installed = r.targets.installed
+        found = [(t, t.stop_verify()) for t in installed]
+        differed = [(t, mismatch) for t, mismatch in found if mismatch is not None]
+        for target, mismatch in differed:
+            r.host.warn(
+                f"guardtrain: verify: compiled {self.repairs.label(target)!r} differs from "
+                f"eager: {mismatch}. Rebuilding it; please report this with the re-arm history."
+            )
+        if r.any_rank(bool(differed)) and not differed:
+            differed = [(t, "on another rank") for t in installed]
+        for target, mismatch in differed:
+            self.repairs.rebuild(target, f"verify found a difference from eager ({mismatch})")
+
+    def _end_audit(self, compiled: bool) -> None:
+        """An audit batch ended (:func:`decisions.audit_verdict`). A compile there re-arms:
+        the stance was running code whose guards no longer held. In a batch with an unseen
+        signature the compile is for its new inputs (H26): it ran with full guards, so the
+        new entry is Dynamo's own, and the entries the stance runs are unchanged, so the
+        loop stays steady and the audit's batch runs again at the next seen signature;
+        unless that compile left a target unfit for the stance (graph breaks, H20; the
+        recompile limit, H5: :func:`decisions.blocker`), which re-arms as before."""
+        r = self.run
+        ch = r.checks
+        unseen = ch.audit_unseen
+        blocked = self.blocked() if compiled and unseen else None
+        verdict = decisions.audit_verdict(compiled, unseen, blocked)
+        ch.end_audit(verdict, r.machine.loops[TRAIN].batches)
+        if verdict == decisions.AUDIT_REARM:
+            self.repairs.rearm(TRAIN, checks.audit_reason(r.monitor.events))
+
+    # -- entry ---------------------------------------------------------------------------------
+
+    def decision_point(self) -> None:
+        """A training batch ended where entry may be decided (every rank at the same one)."""
+        m = self.run.machine
+        if m.use_stance and m.is_decision_point(TRAIN):
+            self.decide(TRAIN)
+
+    def decide(self, loop: str) -> None:
+        """Enter the stance for ``loop`` if this process (or, with several, every one) is ready.
+
+        The only place entry is decided. With several processes it runs at the
+        same batches on every rank and costs one collective.
+        """
+        r = self.run
+        m = r.machine
+        ready = m.ready(loop)
+        if not ready and not m.collective:
+            return
+        blocked = self.blocked() if ready else None
+        vote = (ready and blocked is None) or m.steady(loop)
+        if m.collective:
+            vote = r.host.agreement.all(vote)
+            if vote and loop == TRAIN:
+                r.state.entered_together = True
+        if ready and blocked is None and vote:
+            m.enter(loop)
+            if loop == TRAIN and self._measures_lookup():
+                r.lookup.start(r.config.lookup_window)
+        elif blocked is not None and m.block(blocked):
+            r.host.warn(f"guardtrain: the stance stays off: {blocked}.")
+
+    def blocked(self) -> str | None:
+        """Why the ready targets may not use the stance (:func:`decisions.blocker`), or None."""
+        limit = getattr(torch._dynamo.config, "recompile_limit", 8)
+        return decisions.blocker(self.run.targets.installed, limit, self.run.host.root_label)
+
+    def _measures_lookup(self) -> bool:
+        """Whether entering the training loop's stance starts the lookup windows."""
+        r = self.run
+        cfg = r.config
+        measure = cfg.measure_lookup if cfg.measure_lookup is not None else not r.machine.collective
+        # Not with paired calls: the window's batches would shift this rank's audits.
+        # Not under turbo: steady calls skip Dynamo's entry path, which the window profiles.
+        return (
+            measure
+            and not r.paired()
+            and not r.levers.direct_dispatch
+            and "steady" not in r.lookup.lookup
+        )

@@ -1,0 +1,195 @@
+"""Repairs: what the engine does when something changed, and its answers to its targets.
+
+:class:`Repairs` is the only code that re-arms a loop, rebuilds a target, compiles a
+breaking target's parts, or switches the targets' steady calls on and off. It also
+answers what a target reports from inside a call (:class:`~guardtrain.engine.targets.Hooks`):
+a compile, a miss, a change seen before a call, ``install_free_tensors`` switched off.
+The checks (:mod:`~guardtrain.engine.checks`) say what they found; this acts on it.
+"""
+
+from __future__ import annotations
+
+from guardtrain.compile import CompiledTarget, Miss, use_grad_variant
+from guardtrain.engine import breaks as _breaks
+from guardtrain.engine import checks
+from guardtrain.engine.changes import Action, Change
+from guardtrain.engine.run import TRAIN, Run
+from guardtrain.engine.targets import breaks_of, label, regions
+
+__all__ = ["Repairs"]
+
+
+class Repairs:
+    """Re-arms, rebuilds and the steady switch of one engine's runs.
+
+    Args:
+        run: the run's parts (each new run replaces them in place).
+    """
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def label(self, target: CompiledTarget) -> str:
+        return label(target, self.run.host.root_label)
+
+    # -- what targets report -----------------------------------------------------------------
+
+    def on_compile(self, target: CompiledTarget, reason: str | None) -> None:
+        self.run.monitor.record(self.run.train_batches(), target.name, reason)
+
+    def on_switch_off(self, target: CompiledTarget, why: str) -> None:
+        r = self.run
+        r.levers.switch_off(r.host, f"install_free_tensors for {self.label(target)!r}", why)
+
+    def on_change(self, target: CompiledTarget, note: str) -> None:
+        """Before a call of ``target``: ``note`` says something it reads may have changed."""
+        r = self.run
+        if not r.state.active or r.paired():
+            # With paired calls, a rebuild or a miss on one rank alone would break the
+            # pairing of guard collectives, and so would a boundary check that only this
+            # rank runs: the change waits for the next boundary or audit, which every
+            # rank runs together.
+            return
+        found = checks.caught_change(target, r.state.swaps_parameters)
+        if found is not None and found[0] is Action.SWITCH:
+            # Frozen or unfrozen (H42): the code of the new pattern, kept from its last
+            # use, is checked like any other before it runs.
+            self.caught(found[1], f"{self.label(target)}: {found[2]} ({note})")
+            use_grad_variant(target)
+            found = checks.caught_change(target, r.state.swaps_parameters)
+        if found is None:
+            return
+        action, kind, reason = found
+        if action is Action.FORGET:
+            target.forget_reference()
+            return
+        self.caught(kind, f"{self.label(target)}: {reason} ({note})")
+        if action is Action.LEAVE:
+            self.stop_checking()
+            self.rearm(r.state.loop, f"{self.label(target)}: {reason}")
+        else:
+            self.rebuild_or_leave_shared(target, reason)
+
+    def on_miss(self, target: CompiledTarget, miss: Miss) -> bool:
+        """A call of ``target`` missed: leave the stance; True to run it with full guards."""
+        r = self.run
+        kind, reason = checks.miss(self.label(target), miss, r.checks.checking, r.paired())
+        if kind is not None:
+            self.caught(kind, reason)
+        self.stop_checking()
+        self.rearm(r.state.loop, reason)
+        return not target.graph_breaks  # never in the stance with graph breaks (blocker)
+
+    def caught(self, kind: Change, reason: str) -> None:
+        """Count a change caught before a call; log the first of each kind."""
+        if self.run.state.caught.add(kind, reason):
+            self.run.host.info(
+                f"guardtrain: caught a change of {kind.value} before a call: {reason}"
+            )
+
+    # -- the steady switch -------------------------------------------------------------------
+
+    def set_steady(self, on: bool) -> None:
+        """The steady state starts or ends for the targets' calls. Torch's stance itself
+        is set by each steady call around its own compiled call, never here (H41)."""
+        r = self.run
+        state = r.state
+        if on == state.stance_on or (on and not r.dynamo.active):
+            return
+        state.stance_on = on
+        stances = r.dynamo.stances
+        for target in r.targets.installed:
+            target.set_under_stance(on, stances)
+
+    def start_checking(self, described: str) -> None:
+        """Each call of this batch checks its inputs against an entry's guards (H26)."""
+        self.run.checks.checking = described
+        for target in self.run.targets.installed:
+            target.start_checking()
+
+    def stop_checking(self) -> None:
+        """End the input checks, counting the calls that an entry accepted."""
+        ch = self.run.checks
+        ch.checking = None
+        for target in self.run.targets.installed:
+            ch.checked_calls += target.stop_checking()
+
+    # -- re-arms and rebuilds ----------------------------------------------------------------
+
+    def rearm(self, loop: str | None, reason: str) -> None:
+        """Send ``loop`` (every loop when None) back to warm-up, out of the stance."""
+        r = self.run
+        if r.lookup.measure is not None and loop in (None, TRAIN):
+            r.lookup.stop()  # measured again at the next entry
+        self.set_steady(False)
+        r.machine.rearm(loop, step=r.train_batches(), reason=reason, rank=r.state.rank)
+
+    def rebuild(self, target: CompiledTarget, reason: str) -> None:
+        """Forget every compiled entry of ``target`` and send every loop back to warm-up."""
+        target.forget_reference()
+        target.rebuild()
+        self.rearm(None, f"{self.label(target)}: {reason}; recompiling")
+
+    def rebuild_or_leave_shared(self, target: CompiledTarget, change: str) -> None:
+        if target.code.shared and len(target.code.members) > 1 and target.drifted():
+            # Only this member changed its structure: it leaves the shared code,
+            # whose entries stay right for the others (H24).
+            target.leave_shared_code(f"{change}: it no longer has its group's structure")
+            self.rearm(None, f"{self.label(target)}: {change}; compiling it alone")
+        else:
+            self.rebuild(target, change)
+
+    # -- graph breaks --------------------------------------------------------------------------
+
+    def after_compile(self) -> None:
+        """Once per batch that compiled: fingerprints, and no free tensors across graph breaks.
+
+        A default target (``targets=None``) that breaks the graph is replaced by its
+        parts (H20), which may break again and be split further. Warnings and the
+        summary name each break by Dynamo's reason, file and line.
+        """
+        targets = self.run.targets
+        found = targets.break_log.new()
+        for target in list(targets.installed):
+            mine = breaks_of(target, found)
+            if mine is None:
+                continue
+            if self.run.config.targets is None and self._split(target, mine):
+                continue
+            if target.code.install_free_tensors or target.code.drops_guards:
+                self._keep_every_guard(target, mine)
+            elif target.reference is None:
+                target.take_reference()
+
+    def _keep_every_guard(self, target: CompiledTarget, found: list[_breaks.GraphBreak]) -> None:
+        """A target with graph breaks that it cannot be split for: full guards, rebuilt."""
+        # The frames after a graph break run the module's own `forward`,
+        # whose code other instances share (install_free_tensors there is
+        # H12), and their guards name the frame's locals, which the
+        # boundary re-check cannot evaluate: keep every guard there.
+        target.code.keep_every_guard()
+        parts = [name for name, _ in regions(target.name, target.module)]
+        hint = f"; to use the stance, compile its parts: targets={parts}" if parts else ""
+        self.run.levers.switch_off(
+            self.run.host,
+            f"install_free_tensors and the guard filter for {self.label(target)!r}",
+            f"it has graph breaks ({_breaks.describe(found) or 'reason unknown'}): "
+            "the frames after a break run code shared by every instance of its class, "
+            f"and their dropped guards cannot be re-checked{hint}",
+        )
+        self.rebuild(target, "graph breaks: full guards, no install_free_tensors")
+
+    def _split(self, target: CompiledTarget, found: list[_breaks.GraphBreak]) -> bool:
+        """Compile the parts of a breaking default target instead of it; False if it has none."""
+        r = self.run
+        text = _breaks.describe(found) or "reason unknown"
+        name = self.label(target)
+        names = r.targets.split(target, found, r.paired(), r.host.root_label)
+        if names is None:
+            return False
+        r.host.warn(
+            f"guardtrain: {name!r} breaks the graph ({text}); compiling its parts instead: "
+            f"{names}. Pass `targets=` to choose the regions yourself."
+        )
+        self.rearm(None, f"{name}: graph break ({text}); compiling {names}")
+        return True

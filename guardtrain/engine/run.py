@@ -1,0 +1,107 @@
+"""One run's parts, as the engine's parts share them: :class:`Run` and :class:`RunState`.
+
+The engine (:class:`~guardtrain.engine.engine.GuardEngine`) makes one :class:`Run` and
+hands it to each of its parts (:class:`~guardtrain.engine.repairs.Repairs`,
+:class:`~guardtrain.engine.batches.BatchChecks`, the summary). A new run replaces its
+per-run fields (:meth:`GuardEngine.setup`), so every part sees the new ones. A part's
+unit test makes a :class:`Run` of fakes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from guardtrain.engine.changes import ChangeLog
+from guardtrain.engine.checks import Checks
+from guardtrain.engine.config import GuardConfig
+from guardtrain.engine.host import Host
+from guardtrain.engine.levers import Levers
+from guardtrain.engine.lookup import LookupWindows
+from guardtrain.engine.phases import Loop, PhaseMachine
+from guardtrain.engine.process import DynamoSettings
+from guardtrain.engine.targets import TargetSet
+from guardtrain.profiling import CompileMonitor
+
+__all__ = ["TRAIN", "Run", "RunState"]
+
+# A plain string on the per-batch path: an Enum member lookup costs more than the check.
+TRAIN: str = Loop.TRAIN.value
+
+
+@dataclass(slots=True)
+class RunState:
+    """What the engine itself remembers of one run (its parts keep the rest)."""
+
+    active: bool = False
+    loop: str | None = None
+    pending: set[str] = field(default_factory=set)
+    """Loops whose next batch starts with the boundary re-check."""
+    rank: int | None = None
+    swaps_parameters: str | None = None
+    """The strategy (or ``fully_shard``) that swaps parameter objects around every forward."""
+    all_rearms: list[dict[str, Any]] | None = None
+    entered_together: bool = False
+    uncompiled: list[str] = field(default_factory=list)
+    compiles_at_batch: int = 0
+    probe: str | None = None
+    """The loop whose current batch probes an unseen signature with full guards."""
+    stance_on: bool = False
+    """The current batch is steady: each target call runs under the stance, set for that
+    call alone (H41), or directly (turbo)."""
+    stance_at_start: bool = False
+    """The stance was on when the current training batch started."""
+    logged_changes: int = -1
+    """:meth:`Run.changes` when the metrics were last logged."""
+    caught: ChangeLog = field(default_factory=ChangeLog)
+    """Changes caught before a call (H32-H35), by kind."""
+    summary_logged: bool = False
+
+
+@dataclass(slots=True, kw_only=True)
+class Run:
+    """The parts of one run that the engine's parts read and change."""
+
+    config: GuardConfig
+    """This run's arguments: the adapter's, with ``setup``'s ``compile_kwargs``."""
+    host: Host
+    """Messages, metrics and rank agreement (the adapter's)."""
+    levers: Levers
+    """The levers this torch and strategy allow."""
+    targets: TargetSet
+    """The compiled targets (kept for the next run on the same modules, H28)."""
+    machine: PhaseMachine
+    """Each loop's phase: every transition goes through it."""
+    monitor: CompileMonitor
+    """The compiles, counted and recorded."""
+    dynamo: DynamoSettings
+    """The run's Dynamo config, guard collectives and stance values
+    (:data:`~guardtrain.engine.process.PROCESS` made it)."""
+    checks: Checks = field(default_factory=Checks)
+    """What the checks remember."""
+    lookup: LookupWindows = field(default_factory=LookupWindows)
+    """The lookup windows."""
+    state: RunState = field(default_factory=RunState)
+    """What the engine remembers of the run."""
+    restored: dict[str, Any] = field(default_factory=dict)
+    """Counters of earlier runs (a checkpoint, or earlier trainer calls)."""
+
+    def train_batches(self) -> int:
+        """Training batches of this run and the earlier ones (a checkpoint's included)."""
+        return self.machine.loops[TRAIN].batches + self.restored.get("train_batches", 0)
+
+    def changes(self) -> int:
+        """Counts what moves the logged metrics: compiles, entries, re-arms, a blocked
+        stance, a lookup window's result. Counted here alone: the logger is called only
+        when it moved."""
+        return self.machine.changes + self.monitor.compiles + self.lookup.results
+
+    def paired(self) -> bool:
+        """Ranks must act together: guard collectives pair every compiled call across ranks."""
+        return self.config.guard_collectives and self.machine.collective
+
+    def any_rank(self, flag: bool) -> bool:
+        """``flag`` on any rank (one collective when calls are paired), else this rank's."""
+        if self.paired():
+            return self.host.agreement.any(flag)
+        return flag

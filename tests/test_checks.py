@@ -1,0 +1,118 @@
+"""The checks find and never act (``guardtrain/engine/checks.py``): fakes, no compile."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from torch import nn
+
+from guardtrain.compile import Miss, MissReason, grads
+from guardtrain.engine import checks
+from guardtrain.engine.changes import Action, Change
+from guardtrain.engine.checks import Checks, Finding
+from guardtrain.fingerprints import module_fingerprint
+
+
+def _target(module: nn.Module, free: bool = False, **overrides: Any) -> Any:
+    """What the checks read of a compiled target; ``take_reference`` and
+    ``forget_reference`` fail the test (a check must not act)."""
+
+    def acted() -> None:
+        raise AssertionError("a check changed the target")
+
+    t = types.SimpleNamespace(
+        calls=0,
+        cache_entries=lambda: 1,
+        reference=module_fingerprint(module),
+        module=module,
+        code=types.SimpleNamespace(install_free_tensors=free, pattern=grads.pattern(())),
+        params=(),
+        check_assertions=lambda: (None, None),
+        take_reference=acted,
+        forget_reference=acted,
+        under_stance=True,
+        last_failed=None,
+        grads=None,
+    )
+    vars(t).update(overrides)
+    return t
+
+
+def _swapped(t: Any) -> Any:
+    t.module.weight = nn.Parameter(t.module.weight.detach().clone())  # FSDP's swap
+    return t
+
+
+def test_boundary_finds_a_swapped_parameter_and_says_retake_under_fsdp() -> None:
+    """Under a strategy that swaps parameters (FSDP) and without install_free_tensors, the
+    boundary re-check compares the hooks only and says to take the fingerprint again; with
+    no such strategy, or with install_free_tensors, a swapped parameter rebuilds."""
+    plain = _swapped(_target(nn.Linear(2, 2)))
+    assert Checks().boundary(plain, "lin") == Finding(
+        rebuild="parameter 'weight' was replaced by another tensor object"
+    )
+    fsdp = _swapped(_target(nn.Linear(2, 2)))
+    before = fsdp.reference
+    assert Checks().boundary(fsdp, "lin", "accelerate's FSDP") == Finding(retake=True)
+    assert fsdp.reference is before  # the engine takes it again, not the check
+    free = _swapped(_target(nn.Linear(2, 2), free=True))
+    assert Checks().boundary(free, "lin", "accelerate's FSDP").rebuild is not None
+    hooked = _swapped(_target(nn.Linear(2, 2)))
+    hooked.module.register_forward_hook(lambda *a: None)
+    assert Checks().boundary(hooked, "lin", "accelerate's FSDP") == Finding(
+        rebuild="hooks of '<root>' changed"
+    )
+
+
+def test_boundary_finds_a_stale_or_unmatched_assertion() -> None:
+    stale = _target(nn.Linear(2, 2), check_assertions=lambda: ("x == 1", None))
+    assert Checks().boundary(stale, "lin").rebuild == "x == 1 (a guard that was dropped or skipped)"
+    unmatched = _target(nn.Linear(2, 2), check_assertions=lambda: (None, "self.p == 2"))
+    assert Checks().boundary(unmatched, "lin") == Finding(leave="self.p == 2")
+    assert Checks().boundary(_target(nn.Linear(2, 2)), "lin") == Finding()
+
+
+def test_boundary_finds_code_dynamo_skipped_once_per_target() -> None:
+    """A called target without entries: Dynamo skipped its code (H18); rebuilt once."""
+    ch = Checks()
+    skipped = _target(nn.Linear(2, 2), calls=3, cache_entries=lambda: 0)
+    assert ch.boundary(skipped, "lin").rebuild == "Dynamo skipped its code, it ran uncompiled"
+    assert ch.skipped == ["lin"]
+    assert ch.boundary(skipped, "lin").rebuild is None
+
+
+def test_caught_change_under_fsdp_says_forget_and_leaves_the_target() -> None:
+    t = _swapped(_target(nn.Linear(2, 2)))
+    found = checks.caught_change(t, "accelerate's FSDP")
+    assert found is not None and found[0] is Action.FORGET and found[1] is Change.PARAMETERS
+    assert checks.caught_change(_swapped(_target(nn.Linear(2, 2))), None)[0] is Action.REBUILD
+
+
+def test_caught_change_leaves_the_stance_only_under_it() -> None:
+    unmatched = _target(nn.Linear(2, 2), check_assertions=lambda: (None, "self.p == 2"))
+    assert checks.caught_change(unmatched, None) == (
+        Action.LEAVE,
+        Change.MODULE_STATE,
+        "self.p == 2",
+    )
+    unmatched.under_stance = False
+    assert checks.caught_change(unmatched, None) is None
+
+
+def test_miss_names_the_kind_and_the_reason() -> None:
+    kind, reason = checks.miss("lin", Miss(MissReason.UNSEEN_ARGUMENTS, "a new int"), None, False)
+    assert kind is Change.ARGUMENTS and reason == "lin: a new int"
+    kind, reason = checks.miss("lin", Miss(MissReason.WRITTEN, "g changed"), None, False)
+    assert kind is Change.GLOBALS and reason.startswith("lin: g changed: no compiled entry")
+    kind, reason = checks.miss("lin", Miss(MissReason.UNACCEPTED, ""), "(x: 4)", False)
+    assert kind is None and reason.startswith("unseen batch signature (x: 4)")
+    kind, reason = checks.miss("lin", Miss(MissReason.UNACCEPTED, ""), None, False)
+    assert kind is None and reason.startswith("direct dispatch")
+    kind, reason = checks.miss("lin", Miss(MissReason.MODE, "eval"), None, True)
+    assert kind is None and reason == "stance miss in 'lin': eval (here or on another rank: guard collectives share misses)"
+
+
+def test_audit_reason_names_the_last_compile() -> None:
+    assert "(a new shape)" in checks.audit_reason([{"reason": "x"}, {"reason": "a new shape"}])
+    assert "(unknown)" in checks.audit_reason([])
