@@ -9,6 +9,14 @@ fields' docstrings into an adapter's ``Args:`` section, and the Hydra schema
 (``hydra_plugins/guardtrain_searchpath``) reads the same fields with
 :func:`read_fields`.
 
+Type checkers and IDEs cannot read a generated function, so each adapter also
+writes its ``__init__`` under ``if TYPE_CHECKING:``: its own and the positional
+parameters, then ``**arguments: Unpack[GuardArguments]``, where
+:class:`~guardtrain.engine.config.GuardArguments` lists the keyword-only
+arguments with the types they accept. ``tests/test_typed_arguments.py`` checks
+both against the fields and the generated ``__init__``, and runs mypy on a few
+calls.
+
 Standard library only, and nothing from ``guardtrain``: the Hydra plugin loads
 this file by its path, without importing torch.
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
@@ -12,12 +12,12 @@ from typing_extensions import override
 
 from guardtrain.arguments import adapter_init, argument_parameters, document_arguments
 from guardtrain.engine.agreement import ReduceAgreement
-from guardtrain.engine.config import DISABLE_ENV, GuardConfig
+from guardtrain.engine.config import DISABLE_ENV, GuardArguments, GuardConfig
 from guardtrain.engine.engine import GuardEngine
 from guardtrain.engine.host import Host
 from guardtrain.engine.phases import Loop
 from guardtrain.errors import GuardTrainValueError
-from guardtrain.presets import GuardPreset
+from guardtrain.presets import GuardPreset, PresetName
 from guardtrain.view import EngineView
 
 __all__ = ["DISABLE_ENV", "GuardTuneCallback"]
@@ -80,7 +80,14 @@ class GuardTuneCallback(EngineView, Callback):
         trainer.fit(model, datamodule=dm)  # model: a plain, uncompiled LightningModule
     """
 
-    __init__ = adapter_init(GuardConfig, owner="GuardTuneCallback", module=__name__)
+    if TYPE_CHECKING:  # what checkers read; the generated one has the same parameters
+
+        def __init__(
+            self, preset: PresetName = "balanced", **arguments: Unpack[GuardArguments]
+        ) -> None: ...
+
+    else:
+        __init__ = adapter_init(GuardConfig, owner="GuardTuneCallback", module=__name__)
 
     def _configure(self, *, arguments: dict[str, Any]) -> None:
         """The generated ``__init__``'s body: ``arguments`` are the config's fields."""

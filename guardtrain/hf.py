@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from torch import nn
 from torch.compiler import is_compiling
@@ -77,10 +77,11 @@ from transformers import TrainerCallback
 
 from guardtrain import hf_accelerate as hfa
 from guardtrain.arguments import adapter_init, document_arguments
-from guardtrain.engine.config import GuardConfig
+from guardtrain.engine.config import GuardArguments, GuardConfig
 from guardtrain.engine.engine import GuardEngine
 from guardtrain.engine.host import Host
 from guardtrain.engine.phases import Loop
+from guardtrain.presets import PresetName
 from guardtrain.view import EngineView
 
 __all__ = ["GuardTrainerCallback", "default_targets", "regional_targets"]
@@ -119,7 +120,14 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         trainer.train()
     """
 
-    __init__ = adapter_init(GuardConfig, owner="GuardTrainerCallback", module=__name__)
+    if TYPE_CHECKING:  # what checkers read; the generated one has the same parameters
+
+        def __init__(
+            self, preset: PresetName = "balanced", **arguments: Unpack[GuardArguments]
+        ) -> None: ...
+
+    else:
+        __init__ = adapter_init(GuardConfig, owner="GuardTrainerCallback", module=__name__)
 
     def _configure(self, *, arguments: dict[str, Any]) -> None:
         """The generated ``__init__``'s body: ``arguments`` are the config's fields."""

@@ -26,17 +26,18 @@ import inspect
 import logging
 import warnings
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from torch import nn
 
 from guardtrain.arguments import adapter_init, document_arguments
 from guardtrain.engine.agreement import RankAgreement, ReduceAgreement, TorchDistributed
-from guardtrain.engine.config import GuardConfig
+from guardtrain.engine.config import GuardArguments, GuardConfig
 from guardtrain.engine.engine import GuardEngine
 from guardtrain.engine.host import Host
 from guardtrain.engine.phases import LOOPS, Loop
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainValueError
+from guardtrain.presets import PresetName
 from guardtrain.view import EngineView
 
 __all__ = ["GuardTuner"]
@@ -168,17 +169,29 @@ class GuardTuner(EngineView):
                     opt.zero_grad()
     """
 
-    __init__ = adapter_init(
-        GuardConfig,
-        owner="GuardTuner",
-        module=__name__,
-        before=[inspect.Parameter("model", _POSITIONAL, annotation=nn.Module)],
-        keyword=[
-            inspect.Parameter(
-                "fabric", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Any
-            )
-        ],
-    )
+    if TYPE_CHECKING:  # what checkers read; the generated one has the same parameters
+
+        def __init__(
+            self,
+            model: nn.Module,
+            preset: PresetName = "balanced",
+            *,
+            fabric: Any = None,
+            **arguments: Unpack[GuardArguments],
+        ) -> None: ...
+
+    else:
+        __init__ = adapter_init(
+            GuardConfig,
+            owner="GuardTuner",
+            module=__name__,
+            before=[inspect.Parameter("model", _POSITIONAL, annotation=nn.Module)],
+            keyword=[
+                inspect.Parameter(
+                    "fabric", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Any
+                )
+            ],
+        )
 
     def _configure(self, model: nn.Module, fabric: Any, *, arguments: dict[str, Any]) -> None:
         """The generated ``__init__``'s body: ``arguments`` are the config's fields."""

@@ -3,7 +3,8 @@
 ``GuardTuneCallback``, ``GuardTuner`` and the Hydra schema derive their
 arguments from the fields of :class:`GuardConfig` (:mod:`guardtrain.arguments`);
 each field's docstring is the argument's documentation. Every error names the
-argument, the value and what is allowed.
+argument, the value and what is allowed. :class:`GuardArguments` lists the
+keyword arguments once more, for type checkers; a test keeps it equal to the fields.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict
 
 from guardtrain import filters as _filters
 from guardtrain.arguments import Accepts
@@ -20,7 +21,7 @@ from guardtrain.compile import check_compile_kwargs
 from guardtrain.errors import GuardTrainTypeError, GuardTrainValueError
 from guardtrain.presets import GuardPreset, PresetName, get_preset
 
-__all__ = ["DISABLE_ENV", "GuardConfig", "make_config"]
+__all__ = ["DISABLE_ENV", "GuardArguments", "GuardConfig", "make_config"]
 
 DISABLE_ENV = "GUARDTRAIN_DISABLE"
 """Set to anything but ``""`` or ``"0"`` to make every adapter a no-op."""
@@ -219,6 +220,36 @@ class GuardConfig:
         if spec is None or isinstance(spec, str):
             return spec
         return getattr(spec, "__name__", "custom")
+
+
+class GuardArguments(TypedDict, total=False):
+    """The adapters' keyword-only arguments as type checkers see them: the fields of
+    :class:`GuardConfig` after ``preset``, each with the type the argument accepts.
+
+    The adapters' ``__init__`` is generated, so mypy, pyright and IDEs read it from
+    ``**arguments: Unpack[GuardArguments]`` instead (``guardtrain.arguments``).
+    ``tests/test_typed_arguments.py`` checks it against the fields: same names, order and
+    accepted types."""
+
+    warmup_steps: int | None
+    stable_steps: int | None
+    targets: str | list[str] | None
+    compile_kwargs: dict[str, Any] | None
+    guard_filter: str | list[str] | _filters.GuardFilter | None
+    install_free_tensors: bool | None
+    recursive_dict_tags: bool | None
+    use_stance: bool | None
+    direct_dispatch: bool | None
+    unsafe_drop_floor: bool
+    log_metrics: bool
+    audit_every: int | None
+    verify_every: int | None
+    verify_rtol: float
+    verify_atol: float
+    guard_collectives: bool
+    measure_lookup: bool | None
+    lookup_window: int
+    compile_cache: str | os.PathLike[str] | None
 
 
 def make_config(preset: str = "balanced", **arguments: Any) -> GuardConfig:
