@@ -9,7 +9,11 @@
   ``# Complexity 25: the per-call path; split, it measured slower.``;
 * no import cycle among guardtrain's modules, counting every ``import`` in a module:
   under ``TYPE_CHECKING``, inside functions, and a package ``__init__``'s re-exports;
-* README.md at most :data:`MAX_README_LINES` lines (details go to docs/).
+* README.md at most :data:`MAX_README_LINES` lines (details go to docs/);
+* docs/design.md's "Where things live" table names only files that exist, and every
+  module of the package (:func:`test_where_things_live_names_every_module`);
+* every test file (and test) that code or docs cite exists
+  (:func:`test_every_cited_test_exists`).
 
 Each failure lists every offender with its number.
 """
@@ -215,3 +219,202 @@ def test_no_import_cycle() -> None:
 def test_readme_is_a_front_page() -> None:
     n = _lines(ROOT / "README.md")
     assert n <= MAX_README_LINES, f"README.md: {n} lines, above {MAX_README_LINES}"
+
+
+# -- docs that stay true ------------------------------------------------------------------------
+
+DESIGN = ROOT / "docs" / "design.md"
+#: The package folders whose modules the "Where things live" table must name.
+LISTED_PACKAGES = ("guardtrain", "hydra_plugins/guardtrain_searchpath")
+#: Modules that need no row: a package's ``__init__`` is its folder's row; ``_version.py``
+#: holds only the version string that pyproject.toml reads.
+UNLISTED_NAMES = frozenset({"__init__.py", "_version.py"})
+_ROW = re.compile(r"^\|\s*`(?P<path>[^`]+)`\s*\|(?P<role>.*)\|\s*$")
+_BARE = re.compile(r"`(?P<name>[\w.-]+\.py)`")
+
+
+def _table_rows() -> list[tuple[int, str, str]]:
+    """``(line, path, role)`` of each row of design.md's "Where things live" table."""
+    rows: list[tuple[int, str, str]] = []
+    inside = False
+    for number, line in enumerate(DESIGN.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("## "):
+            inside = line.strip() == "## Where things live"
+            continue
+        found = _ROW.match(line) if inside else None
+        if found and found["path"] != "path":
+            rows.append((number, found["path"], found["role"]))
+    return rows
+
+
+def _table_names() -> dict[str, int]:
+    """Every path the table names -> its line: the first column, and in a folder's row
+    (a path ending in ``/``) each bare ``name.py`` of its role, as ``folder/name.py``."""
+    names: dict[str, int] = {}
+    for number, path, role in _table_rows():
+        names.setdefault(path, number)
+        if path.endswith("/"):
+            for found in _BARE.finditer(role):
+                names.setdefault(path + found["name"], number)
+    return names
+
+
+def test_where_things_live_is_parsed() -> None:
+    """Both forms are read (the checks below would pass vacuously without)."""
+    names = _table_names()
+    assert "guardtrain/callback.py" in names  # a first column
+    assert "guardtrain/engine/" in names  # a folder's row
+    assert "guardtrain/engine/decisions.py" in names  # a bare name in the folder's row
+    assert "guardtrain/compile/accept.py" in names
+    assert "guardtrain/bench/hf_data.py" in names
+
+
+def test_where_things_live_names_only_what_exists() -> None:
+    """Each path of docs/design.md's table exists (a ``*`` pattern matches something)."""
+    missing = [
+        f"docs/design.md:{line}: {path}"
+        for path, line in _table_names().items()
+        if not (any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists())
+    ]
+    assert not missing, "the Where things live table names what does not exist:\n" + "\n".join(
+        missing
+    )
+
+
+def test_where_things_live_names_every_module() -> None:
+    """Every ``.py`` file in :data:`LISTED_PACKAGES` has a row, or is named in its folder's
+    row, except the :data:`UNLISTED_NAMES` (``__init__.py``, ``_version.py``)."""
+    names = _table_names()
+    unnamed = sorted(
+        _rel(path)
+        for package in LISTED_PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if path.name not in UNLISTED_NAMES and _rel(path) not in names
+    )
+    assert not unnamed, (
+        "modules that docs/design.md's Where things live table does not name (add each, "
+        "with its role, to its folder's row):\n" + "\n".join(unnamed)
+    )
+
+
+#: Cited test files that do not exist yet. Temporary: ``tests/test_decisions.py`` is being
+#: created in the same issue (27) as the rewrite of ``guardtrain/engine/decisions.py``,
+#: which cites it; remove the entry then (:func:`test_pending_tests_are_still_pending`).
+PENDING_TESTS = frozenset({"tests/test_decisions.py"})
+#: Where citations are looked for. CHANGELOG.md is not read: it is history, and may name
+#: files since renamed or removed.
+CITING = (
+    "guardtrain/**/*.py",
+    "hydra_plugins/**/*.py",
+    "tests/**/*.py",
+    "tests/**/*.yaml",
+    "scripts/**/*",
+    "examples/**/*",
+    "docs/**/*.md",
+    "README.md",
+)
+_NAME = r"(?:::(?P<name>\w+(?:::\w+)*\*?))?"
+#: ``tests/<path>`` (a file or folder), or a bare ``test_<name>.py``; either may be followed
+#: by ``::name`` (a test, a class or a module-level name; ``prefix*`` for several).
+_CITED = re.compile(rf"(?<![\w/.-])(?:tests/(?P<path>[\w./-]*\w)|(?P<bare>test_\w+\.py)){_NAME}")
+
+
+def _citations(text: str) -> list[tuple[int, str, str | None, bool]]:
+    """``(line, path, name, bare)`` of each test cited in ``text``."""
+    found: list[tuple[int, str, str | None, bool]] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for m in _CITED.finditer(line):
+            path = m["path"] if m["path"] else m["bare"]
+            found.append((number, path, m["name"], not m["path"]))
+    return found
+
+
+def _defines(path: Path, name: str) -> bool:
+    """Whether the module at ``path`` defines ``name``: a function, a class or an assigned
+    name at its top level; ``Class::method`` inside a class; ``prefix*`` for any such."""
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    *outer, last = name.split("::")
+    for part in outer:
+        classes = [n for n in body if isinstance(n, ast.ClassDef) and n.name == part]
+        if not classes:
+            return False
+        body = classes[0].body
+    defined: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(t.id for t in targets if isinstance(t, ast.Name))
+    if last.endswith("*"):
+        return any(d.startswith(last[:-1]) for d in defined)
+    return last in defined
+
+
+def _broken(path: str, name: str | None, bare: bool) -> str | None:
+    """Why a citation is broken, or None."""
+    tests = ROOT / "tests"
+    if bare:
+        candidates = sorted(tests.rglob(path))
+        if not candidates:
+            return None if f"tests/{path}" in PENDING_TESTS else f"no {path} under tests/"
+        target = candidates[0]
+    else:
+        if f"tests/{path}" in PENDING_TESTS:
+            return None
+        target = tests / path
+        if not target.exists():
+            return f"tests/{path} does not exist"
+    if name and target.suffix == ".py" and not _defines(target, name):
+        return f"{_rel(target)} defines no {name}"
+    return None
+
+
+def _citing_files() -> list[Path]:
+    files = {p for pattern in CITING for p in ROOT.glob(pattern) if p.is_file()}
+    return sorted(p for p in files if "__pycache__" not in p.parts and p.suffix != ".pyc")
+
+
+def test_citations_are_found() -> None:
+    """The pattern reads each form (the check below would pass vacuously without)."""
+    t = "test"  # the examples are not citations of this file's own
+    text = (
+        f"see {t}s/{t}_a.py::test_b, ({t}s/ddp_scripts/run.py).\n"
+        f"``{t}_c.py::Case::test_d`` and {t}s/template_conf/ and x/{t}s/y.py"
+    )
+    assert _citations(text) == [
+        (1, f"{t}_a.py", "test_b", False),
+        (1, "ddp_scripts/run.py", None, False),
+        (2, f"{t}_c.py", "Case::test_d", True),
+        (2, "template_conf", None, False),
+    ]
+    me = "test_layout.py"
+    assert _broken(me, "test_citations_are_found", False) is None
+    assert _broken(me, "PENDING_TESTS", True) is None
+    assert _broken(me, "test_citations_*", True) is None
+    assert _broken(me, "test_no_such_test", False) == f"tests/{me} defines no test_no_such_test"
+    assert _broken(f"{t}_no_such_file.py", None, True) is not None
+    assert len(_citing_files()) > 50
+
+
+def test_every_cited_test_exists() -> None:
+    """Each ``tests/...`` path and bare ``test_*.py`` name cited in the package, the tests,
+    scripts, examples, docs and README.md exists, and so does each ``::name`` cited in a
+    test file, except the :data:`PENDING_TESTS`."""
+    broken: list[str] = []
+    for path in _citing_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for number, cited, name, bare in _citations(text):
+            why = _broken(cited, name, bare)
+            if why:
+                broken.append(f"{_rel(path)}:{number}: {why}")
+    assert not broken, "citations of tests that do not exist:\n" + "\n".join(broken)
+
+
+def test_pending_tests_are_still_pending() -> None:
+    """An entry of :data:`PENDING_TESTS` is removed once its file exists."""
+    made = sorted(p for p in PENDING_TESTS if (ROOT / p).exists())
+    assert not made, f"{made} exist now: remove them from PENDING_TESTS in tests/test_layout.py"
