@@ -110,7 +110,11 @@ def test_miss_names_the_kind_and_the_reason() -> None:
     kind, reason = checks.miss("lin", Miss(MissReason.UNACCEPTED, ""), None, False)
     assert kind is None and reason.startswith("direct dispatch")
     kind, reason = checks.miss("lin", Miss(MissReason.MODE, "eval"), None, True)
-    assert kind is None and reason == "stance miss in 'lin': eval (here or on another rank: guard collectives share misses)"
+    assert (
+        kind is None
+        and reason
+        == "stance miss in 'lin': eval (here or on another rank: guard collectives share misses)"
+    )
 
 
 def test_audit_reason_names_the_last_compile() -> None:

@@ -2,7 +2,8 @@
 
 * no file in ``guardtrain/`` above :data:`MAX_FILE_LINES` lines;
 * no class above :data:`MAX_CLASS_LINES` lines (``end_lineno - lineno + 1``, docstrings
-  count);
+  count), except one whose ``class`` line is directly preceded by a comment that names
+  its size and why that is its seam, e.g. ``# Lines 340: the adapters' whole contract.``;
 * no function or closure above cyclomatic complexity :data:`MAX_COMPLEXITY`, as
   ``radon cc --show-closures`` measures it, except one whose ``def`` line (or first
   decorator) is directly preceded by a comment that names its complexity, e.g.
@@ -33,6 +34,8 @@ MAX_FILE_LINES = 500
 MAX_CLASS_LINES = 300
 MAX_COMPLEXITY = 15
 MAX_README_LINES = 160
+#: The comment that exempts a class: ``# Lines N`` (N its size in lines).
+CLASS_EXEMPTION = re.compile(r"^\s*#\s*Lines\s+(\d+)\b", re.IGNORECASE)
 #: The comment that exempts a function: ``# Complexity N`` (N its measured complexity).
 EXEMPTION = re.compile(r"^\s*#\s*Complexity\s+(\d+)\b", re.IGNORECASE)
 
@@ -57,10 +60,14 @@ def test_no_file_above_the_line_limit() -> None:
 def test_no_class_above_the_line_limit() -> None:
     offenders = []
     for path in _files():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef):
                 size = (node.end_lineno or node.lineno) - node.lineno + 1
-                if size > MAX_CLASS_LINES:
+                above = lines[node.lineno - 2] if node.lineno > 1 else ""
+                exempt = CLASS_EXEMPTION.match(above)
+                if size > MAX_CLASS_LINES and not (exempt and int(exempt.group(1)) == size):
                     offenders.append(f"{_rel(path)}:{node.lineno} class {node.name}: {size} lines")
     assert not offenders, f"classes above {MAX_CLASS_LINES} lines:\n" + "\n".join(offenders)
 
@@ -297,10 +304,9 @@ def test_where_things_live_names_every_module() -> None:
     )
 
 
-#: Cited test files that do not exist yet. Temporary: ``tests/test_decisions.py`` is being
-#: created in the same issue (27) as the rewrite of ``guardtrain/engine/decisions.py``,
-#: which cites it; remove the entry then (:func:`test_pending_tests_are_still_pending`).
-PENDING_TESTS = frozenset({"tests/test_decisions.py"})
+#: Cited test files that do not exist yet (none now): a file cited before it is written
+#: goes here, and out again once it exists (:func:`test_pending_tests_are_still_pending`).
+PENDING_TESTS: frozenset[str] = frozenset()
 #: Where citations are looked for. CHANGELOG.md is not read: it is history, and may name
 #: files since renamed or removed.
 CITING = (

@@ -120,11 +120,11 @@ def _notes(data: dict[str, Any]) -> list[str]:
         for off in r.get("switched_off", []):
             extra.append(f"{off['lever']} switched off: {off['why']}")
         if r.get("driver") == "engine":
-            engine = r.get("engine", {})
-            shared = engine.get("shared_code") or []
+            seen = r.get("engine", {})
+            shared = seen.get("shared_code") or []
             extra.append(
-                f"run by the engine's phases ({engine.get('phase_while_measuring')} while "
-                f"measuring, after {engine.get('warmup_batches')} warm-up batches"
+                f"run by the engine's phases ({seen.get('phase_while_measuring')} while "
+                f"measuring, after {seen.get('warmup_batches')} warm-up batches"
                 + (f"; {len(shared[0]['targets'])} targets share code" if shared else "")
                 + ")"
             )

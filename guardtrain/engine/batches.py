@@ -43,6 +43,30 @@ class BatchChecks:
 
     # -- a batch's start -----------------------------------------------------------------------
 
+    def start(self, loop: str, batch: Any, training: bool, warmed_training: bool | None) -> None:
+        """Whether the batch's target calls run steady (with the stance in use): its
+        signature and mode, then the lookup window's, the audit's or the verify batch's
+        turn in training; no steady call in Lightning's sanity check."""
+        r = self.run
+        state = r.state
+        loop_state = r.machine.loops[loop]
+        steady, check = self.steady_or_not(loop, loop_state, batch, training, warmed_training)
+        if loop == TRAIN:
+            if r.lookup.measure is not None and steady:
+                steady = self.lookup_batch(check is not None)
+            elif loop_state.batches >= r.checks.next_check:
+                steady = self.audit_or_verify(steady, check is not None)
+            if r.config.guard_collectives:
+                r.dynamo.set_guard_collectives(r.paired() and state.entered_together)
+        elif steady and r.host.sanity_checking():
+            steady = False
+        if steady is not state.stance_on:
+            self.repairs.set_steady(steady)
+        if check is not None and steady:
+            # The stance stays; each call first shows that an entry's guards
+            # accept its inputs, or leaves the stance before it runs (H26).
+            self.repairs.start_checking(check)
+
     def steady_or_not(
         self,
         loop: str,
@@ -124,9 +148,8 @@ class BatchChecks:
         rebuild: list[tuple[CompiledTarget, str]] = []
         for target in r.targets.installed:
             if grad_moved(target):  # every rank at once, also with paired calls (H42)
-                repairs.caught(
-                    Change.REQUIRES_GRAD, f"{repairs.label(target)}: {grad_change(target)}"
-                )
+                change = f"{repairs.label(target)}: {grad_change(target)}"
+                repairs.caught(Change.REQUIRES_GRAD, change)
                 use_grad_variant(target)
             found = r.checks.boundary(target, repairs.label(target), r.state.swaps_parameters)
             if found.retake:
@@ -135,6 +158,11 @@ class BatchChecks:
                 rebuild.append((target, found.rebuild))
             elif found.leave is not None and r.machine.steady(loop):
                 repairs.rearm(loop, f"{repairs.label(target)}: {found.leave}")
+        self._rebuild_all(rebuild)
+
+    def _rebuild_all(self, rebuild: list[tuple[CompiledTarget, str]]) -> None:
+        """Rebuild what the boundary found, on every rank together when calls are paired."""
+        r, repairs = self.run, self.repairs
         # A rebuilt target has no entries, so its first call issues no guard
         # collective: with paired calls every rank rebuilds together.
         if r.any_rank(bool(rebuild)) and not rebuild:
@@ -150,6 +178,20 @@ class BatchChecks:
     # -- a batch's end -------------------------------------------------------------------------
 
     def end(self, loop: str, compiled: bool) -> None:
+        """A batch ended (``compiled``: a target compiled in it): its checks end, the phase
+        machine counts it, a compile is looked at, and entry is decided where it may be."""
+        r = self.run
+        m, state = r.machine, r.state
+        self._end_checks(loop, compiled)
+        m.batch_done(loop, compiled, state.stance_at_start and state.stance_on)
+        if compiled:
+            self.repairs.after_compile()
+        if state.probe is not None:
+            self._end_probe(loop, compiled)
+        if loop == TRAIN and (m.collective or m.loops[loop].phase != STEADY):
+            self.decision_point()  # steady in one process: no decision
+
+    def _end_checks(self, loop: str, compiled: bool) -> None:
         """End this batch's input checks, audit, verify batch and lookup window batch."""
         r = self.run
         ch = r.checks
@@ -164,7 +206,7 @@ class BatchChecks:
         if r.lookup.window is not None and loop == TRAIN:
             r.lookup.end_batch(r.config.lookup_window)
 
-    def end_probe(self, loop: str, compiled: bool) -> None:
+    def _end_probe(self, loop: str, compiled: bool) -> None:
         """After a batch that probed an unseen signature with full guards (H26)."""
         state = self.run.state
         if state.probe == loop and not compiled and not self.run.machine.steady(loop):
@@ -231,11 +273,15 @@ class BatchChecks:
             if vote and loop == TRAIN:
                 r.state.entered_together = True
         if ready and blocked is None and vote:
-            m.enter(loop)
-            if loop == TRAIN and self._measures_lookup():
-                r.lookup.start(r.config.lookup_window)
+            self._enter(loop)
         elif blocked is not None and m.block(blocked):
             r.host.warn(f"guardtrain: the stance stays off: {blocked}.")
+
+    def _enter(self, loop: str) -> None:
+        """Enter the stance for ``loop``; the training loop's first entry measures lookups."""
+        self.run.machine.enter(loop)
+        if loop == TRAIN and self._measures_lookup():
+            self.run.lookup.start(self.run.config.lookup_window)
 
     def blocked(self) -> str | None:
         """Why the ready targets may not use the stance (:func:`decisions.blocker`), or None."""

@@ -35,7 +35,7 @@ from guardtrain import versions as _versions
 from guardtrain.engine import levers as _levers
 from guardtrain.engine import runs as _runs
 from guardtrain.engine import summary, warmstart
-from guardtrain.engine.batches import STEADY, BatchChecks
+from guardtrain.engine.batches import BatchChecks
 from guardtrain.engine.checks import Checks
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
 from guardtrain.engine.host import Host
@@ -51,6 +51,9 @@ from guardtrain.profiling import CompileMonitor
 __all__ = ["GuardEngine"]
 
 
+# The engine's whole contract with its adapters (every entry point and all it shows
+# them) stays in one class; the work is done by the parts it holds.
+# Lines 344: the contract is its seam.
 class GuardEngine:
     """One adapter's runs: compiled targets, phases, checks, the stance and the report.
 
@@ -190,12 +193,7 @@ class GuardEngine:
 
     def gather_rearms(self) -> None:
         """With several processes, collect every rank's re-arms for rank zero's summary."""
-        r = self.run
-        if not r.machine.collective or r.config.disabled:
-            return
-        gathered = r.host.agreement.gather(list(r.machine.rearms))
-        merged = [x for rearms in gathered for x in (rearms or [])]
-        r.state.all_rearms = sorted(merged, key=lambda x: (x["step"], x.get("rank", 0)))
+        summary.gather_rearms(self.run)
 
     # -- a run -------------------------------------------------------------------------------
 
@@ -342,11 +340,8 @@ class GuardEngine:
         r.state.loop = loop
         r.state.pending.add(loop)
         r.machine.pass_started(loop)
-        if loop != TRAIN and r.lookup.window is not None:
-            # A window counts every compiled call: this loop's must not count as
-            # training's (H27). Close it on the training batches it has measured.
-            size = r.config.lookup_window
-            r.lookup.close(size - r.lookup.measure_left, size)
+        if loop != TRAIN:
+            r.lookup.cut(r.config.lookup_window)  # not on this loop's calls (H27)
 
     def batch_start(
         self, loop: str, batch: Any, training: bool, warmed_training: bool | None = None
@@ -369,27 +364,8 @@ class GuardEngine:
             state.pending.discard(loop)
             self._batches.boundary(loop)
         r.targets.batch_starts()  # the first call checks what events miss (H42)
-        m = r.machine
-        if m.use_stance:
-            batches, loop_state = self._batches, m.loops[loop]
-            steady, check = batches.steady_or_not(
-                loop, loop_state, batch, training, warmed_training
-            )
-            if loop == TRAIN:
-                if r.lookup.measure is not None and steady:
-                    steady = batches.lookup_batch(check is not None)
-                elif loop_state.batches >= r.checks.next_check:
-                    steady = batches.audit_or_verify(steady, check is not None)
-                if r.config.guard_collectives:
-                    r.dynamo.set_guard_collectives(r.paired() and state.entered_together)
-            elif steady and r.host.sanity_checking():
-                steady = False
-            if steady is not state.stance_on:
-                self._repairs.set_steady(steady)
-            if check is not None and steady:
-                # The stance stays; each call first shows that an entry's guards
-                # accept its inputs, or leaves the stance before it runs (H26).
-                self._repairs.start_checking(check)
+        if r.machine.use_stance:
+            self._batches.start(loop, batch, training, warmed_training)
         state.stance_at_start = state.stance_on
         state.compiles_at_batch = r.monitor.compiles
 
@@ -399,19 +375,9 @@ class GuardEngine:
         state = r.state
         if not state.active:
             return
-        m = r.machine
-        compiled = r.monitor.compiles != state.compiles_at_batch
-        self._batches.end(loop, compiled)
-        m.batch_done(loop, compiled, state.stance_at_start and state.stance_on)
-        if compiled:
-            self._repairs.after_compile()
-        if state.probe is not None:
-            self._batches.end_probe(loop, compiled)
-        if loop == TRAIN:
-            if m.collective or m.loops[loop].phase != STEADY:  # steady alone: no decision
-                self._batches.decision_point()
-            if state.logged_changes != r.changes():
-                self._log_changes()
+        self._batches.end(loop, r.monitor.compiles != state.compiles_at_batch)
+        if loop == TRAIN and state.logged_changes != r.changes():
+            self._log_changes()
 
     def loop_end(self, loop: str, complete: bool = True) -> None:
         """A pass of ``loop`` ended (``complete`` is False for a sanity check or a cut pass)."""

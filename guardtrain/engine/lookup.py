@@ -83,6 +83,12 @@ class LookupWindows:
         self.results += 1
         return True
 
+    def cut(self, size: int) -> None:
+        """Another loop starts: a window counts every compiled call, and that loop's must
+        not count as training's (H27); close it on the training batches it measured."""
+        if self.window is not None:
+            self.close(size - self.measure_left, size)
+
     def stop(self) -> None:
         """Stop measuring (a re-arm or the end of the run); the next entry measures again."""
         if self.window is not None:

@@ -23,6 +23,7 @@ __all__ = [
     "build",
     "carried",
     "format_summary",
+    "gather_rearms",
     "loaded",
     "metrics",
     "state_dict",
@@ -73,6 +74,15 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "disabled": e.config.disabled,
         "compile_cache": warmstart.summary(compile_cache),
     }
+
+
+def gather_rearms(run: Run) -> None:
+    """With several processes, collect every rank's re-arms for rank zero's summary."""
+    if not run.machine.collective or run.config.disabled:
+        return
+    gathered = run.host.agreement.gather(list(run.machine.rearms))
+    merged = [x for rearms in gathered for x in (rearms or [])]
+    run.state.all_rearms = sorted(merged, key=lambda x: (x["step"], x.get("rank", 0)))
 
 
 def _direct(e: Run) -> dict[str, Any]:

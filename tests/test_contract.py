@@ -1,0 +1,114 @@
+"""The engine's contract with its adapters, kept by walking their code.
+
+The adapters (the Lightning callback, ``GuardTuner``, the Trainer callback, what they
+share) and the bench drive a :class:`~guardtrain.engine.engine.GuardEngine` through
+what it shows, and nothing else: they never reach its parts (``engine.run``, its phase
+machine, its Dynamo settings, a private name), torch's stance, Dynamo's config or the
+guard-collectives hook. What guardtrain changes in the process goes through
+:data:`~guardtrain.engine.process.PROCESS` (design.md, "Global state has one owner").
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from guardtrain.engine.engine import GuardEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+ADAPTERS = [
+    "guardtrain/callback.py",
+    "guardtrain/tuner.py",
+    "guardtrain/hf.py",
+    "guardtrain/hf_accelerate.py",
+    "guardtrain/view.py",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "guardtrain/bench").glob("*.py")),
+]
+
+PARTS = {"run", "dynamo", "machine", "session", "_repairs", "_batches"}
+"""The engine's parts: never read from outside it."""
+STANCE = {"_stance", "set_stance", "skip_guard_eval_unsafe", "eval_frame"}
+"""Torch's stance, and the module that holds it."""
+PROCESS_WIDE = {"set_enable_guard_collectives"}
+"""Process state that only a run's Dynamo settings write (Dynamo's config writes are
+found by :func:`_process_writes`)."""
+
+
+def _shown() -> set[str]:
+    """What the engine shows: its public methods and properties."""
+    return {name for name in dir(GuardEngine) if not name.startswith("_")} | {
+        "compile_cache",
+        "metrics",
+    }
+
+
+def _engine_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, attribute)`` for every attribute read on an expression naming an engine
+    (``engine``, ``self._engine``, ``tuner._engine``, ...)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value).split(".")[-1] in (
+            "engine",
+            "_engine",
+        ):
+            found.append((node.lineno, node.attr))
+    return found
+
+
+def _process_writes(tree: ast.AST) -> list[tuple[int, str]]:
+    """Writes of Dynamo's config (``cfg.x = ...``, ``setattr(cfg, ...)``)."""
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and "config" in ast.unparse(t.value):
+                found.append((node.lineno, ast.unparse(t)))
+        if (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "setattr"
+            and node.args
+            and ("cfg" in ast.unparse(node.args[0]) or "config" in ast.unparse(node.args[0]))
+        ):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+@pytest.mark.parametrize("path", ADAPTERS)
+def test_adapters_read_only_what_the_engine_shows(path: str) -> None:
+    tree = ast.parse((ROOT / path).read_text())
+    shown = _shown()
+    wrong = [
+        f"{path}:{line}: engine.{attr}"
+        for line, attr in _engine_reads(tree)
+        if attr in PARTS or attr not in shown
+    ]
+    assert not wrong, "reaches past the engine's contract:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("path", ADAPTERS)
+def test_adapters_leave_process_state_to_its_owner(path: str) -> None:
+    tree = ast.parse((ROOT / path).read_text())
+    wrong = [
+        f"{path}:{node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Attribute) and node.attr in STANCE | PROCESS_WIDE)
+        or (isinstance(node, ast.Name) and node.id in STANCE | PROCESS_WIDE)
+        or (isinstance(node, ast.alias) and node.name.split(".")[-1] in STANCE)
+    ]
+    wrong += [f"{path}:{line}: {text}" for line, text in _process_writes(tree)]
+    assert not wrong, "process state changed outside its owner:\n" + "\n".join(wrong)
+
+
+def test_the_walk_sees_a_reach() -> None:
+    """The walks find what they look for (else every test above passes on nothing)."""
+    code = ast.parse(
+        "engine.run.active\nself._engine.machine.loops\ntorch._dynamo.eval_frame._stance\n"
+        "setattr(cfg, 'x', 1)\ntorch._dynamo.config.install_free_tensors = True\n"
+    )
+    assert [a for _, a in _engine_reads(code)] == ["run", "machine"]
+    assert len(_process_writes(code)) == 2
+    assert "run" in PARTS and "run" not in _shown() - PARTS

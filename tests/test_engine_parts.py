@@ -1,0 +1,277 @@
+"""The engine's parts one by one, with fakes and without torch.compile: the phase machine's
+transitions, :class:`Repairs` and :class:`BatchChecks` on a :class:`Run` of fakes."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from guardtrain.compile import Miss, MissReason, grads
+from guardtrain.engine import checks as checks_module
+from guardtrain.engine import levers as _levers
+from guardtrain.engine.agreement import SingleProcess
+from guardtrain.engine.batches import BatchChecks
+from guardtrain.engine.changes import Action, Change
+from guardtrain.engine.checks import Checks, Finding
+from guardtrain.engine.config import make_config
+from guardtrain.engine.host import Host
+from guardtrain.engine.phases import PhaseMachine
+from guardtrain.engine.process import PROCESS
+from guardtrain.engine.repairs import Repairs
+from guardtrain.engine.run import Run
+from guardtrain.profiling import CompileMonitor
+
+
+class FakeTarget:
+    """What the parts call on a compiled target, recorded."""
+
+    def __init__(self, name: str = "", entries: int = 1, breaks: bool = False) -> None:
+        self.name, self.calls, self.graph_breaks, self._entries = name, 1, breaks, entries
+        self.done: list[Any] = []
+        self.params: tuple[Any, ...] = ()
+        self.code = types.SimpleNamespace(shared=False, members=[self], pattern=grads.pattern(()))
+        self.reference = None
+
+    def set_under_stance(self, on: bool, stances: Any) -> None:
+        self.done.append(("steady", on))
+
+    def start_checking(self) -> None:
+        self.done.append("check")
+
+    def stop_checking(self) -> int:
+        self.done.append("stop")
+        return 2
+
+    def take_reference(self) -> None:
+        self.done.append("retake")
+
+    def forget_reference(self) -> None:
+        self.done.append("forget")
+
+    def rebuild(self) -> None:
+        self.done.append("rebuild")
+
+    def cache_entries(self) -> int:
+        return self._entries
+
+
+class FakeAgreement(SingleProcess):
+    def __init__(self, votes: bool) -> None:
+        self.votes, self.asked = votes, 0
+
+    def all(self, flag: bool) -> bool:
+        self.asked += 1
+        return flag and self.votes
+
+
+def _run(*targets: FakeTarget, collective: bool = False, votes: bool = True) -> Run:
+    config = make_config("aggressive", warmup_steps=1, stable_steps=1, audit_every=None)
+    warned: list[str] = []
+    host = Host(info=lambda _: None, warn=warned.append, agreement=FakeAgreement(votes))
+    lv = config.levers
+    machine = PhaseMachine(lv.warmup_steps, lv.stable_steps, True, collective)
+    run = Run(
+        config=config,
+        host=host,
+        levers=_levers.requested(config),
+        targets=types.SimpleNamespace(installed=list(targets)),  # type: ignore[arg-type]
+        machine=machine,
+        monitor=CompileMonitor(),
+        dynamo=PROCESS.start_run("test"),
+    )
+    run.dynamo.active = True
+    run.state.active = True
+    return run
+
+
+def _parts(run: Run) -> tuple[Repairs, BatchChecks]:
+    repairs = Repairs(run)
+    return repairs, BatchChecks(run, repairs)
+
+
+# -- the phase machine ---------------------------------------------------------------------
+
+
+def test_every_transition_counts_a_change() -> None:
+    m = PhaseMachine(warmup_steps=1, stable_steps=1, use_stance=True)
+    m.batch_done("train", compiled=False)
+    assert m.changes == 0  # a batch is no change
+    m.enter("train")
+    m.rearm("train", step=1, reason="x")
+    m.resume("train")
+    assert m.block("graph breaks") and not m.block("again")  # told once
+    assert m.changes == 4 and m.blocked == "graph breaks"
+
+
+def test_a_steady_step_counts_only_under_the_stance_throughout() -> None:
+    m = PhaseMachine(warmup_steps=1, stable_steps=1, use_stance=True)
+    m.batch_done("train", compiled=True)
+    m.enter("train")
+    m.batch_done("train", compiled=False, under_stance=True)
+    m.batch_done("train", compiled=False, under_stance=False)  # a lookup window's batch
+    state = m.loops["train"]
+    assert (m.warmup_steps_taken, m.steady_steps, state.batches, state.since_compile) == (1, 1, 3, 2)
+    assert state.warmed_once and type(m.steady_steps) is int
+
+
+def test_the_signature_matcher_is_made_when_a_signature_repeats() -> None:
+    m = PhaseMachine(warmup_steps=1, stable_steps=1, use_stance=True)
+    batch = torch.zeros(4, 8)
+    assert m.unseen("train", batch)[0] is True
+    assert m.loops["train"].same is None  # a change makes no matcher
+    assert m.unseen("train", batch)[0] is False
+    same = m.loops["train"].same
+    assert same is not None and same.signature is m.loops["train"].last_signature
+    assert m.unseen("train", torch.zeros(5, 8))[0] is True
+    m.rearm(None, step=3, reason="rebuilt")  # every signature must be seen again
+    assert m.unseen("train", batch)[0] is True
+
+
+# -- Repairs -------------------------------------------------------------------------------
+
+
+def test_rearm_leaves_the_stance_and_records_why() -> None:
+    t = FakeTarget("net")
+    run = _run(t)
+    repairs, _ = _parts(run)
+    run.machine.enter("train")
+    repairs.set_steady(True)
+    run.lookup.start(4)
+    repairs.rearm("train", "net: changed")
+    assert t.done == [("steady", True), ("steady", False)]
+    assert run.machine.phase("train") == "warmup" and run.lookup.measure is None
+    assert run.machine.rearms == [{"step": 0, "reason": "net: changed", "loop": "train"}]
+
+
+def test_set_steady_waits_for_the_runs_settings() -> None:
+    t = FakeTarget()
+    run = _run(t)
+    run.dynamo.active = False
+    Repairs(run).set_steady(True)
+    assert t.done == [] and not run.state.stance_on
+
+
+def test_a_miss_counts_its_change_stops_the_checks_and_rearms() -> None:
+    t = FakeTarget("net", breaks=True)
+    run = _run(t)
+    repairs, _ = _parts(run)
+    repairs.start_checking("(x: 4)")
+    run.state.loop = "train"
+    full_guards = repairs.on_miss(t, Miss(MissReason.UNSEEN_ARGUMENTS, "a new int"))
+    assert full_guards is False  # never in the stance with graph breaks
+    assert run.checks.checking is None and run.checks.checked_calls == 2
+    assert run.state.caught.summary()["arguments"]["count"] == 1
+    assert run.machine.rearms[0]["reason"] == "net: a new int"
+
+
+def test_a_swap_under_fsdp_forgets_the_fingerprint_and_nothing_else(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    t = FakeTarget("net")
+    run = _run(t)
+    found = (Action.FORGET, Change.PARAMETERS, "parameter 'w' was replaced")
+    monkeypatch.setattr(checks_module, "caught_change", lambda target, swaps: found)
+    Repairs(run).on_change(t, "a module write")
+    assert t.done == ["forget"] and run.machine.rearms == []
+    assert run.state.caught.summary() == {}
+
+
+def test_a_caught_rebuild_rebuilds_and_rearms_every_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = FakeTarget("net")
+    run = _run(t)
+    found = (Action.REBUILD, Change.HOOKS, "hooks of 'net' changed")
+    monkeypatch.setattr(checks_module, "caught_change", lambda target, swaps: found)
+    Repairs(run).on_change(t, "a hook")
+    assert t.done == ["forget", "rebuild"]
+    assert run.machine.rearms[0]["reason"] == "net: hooks of 'net' changed; recompiling"
+    assert "loop" not in run.machine.rearms[0]  # every loop
+
+
+# -- BatchChecks ---------------------------------------------------------------------------
+
+
+def _steady(run: Run) -> None:
+    run.machine.batch_done("train", compiled=False)
+    run.machine.enter("train")
+
+
+def test_an_unseen_signature_stays_steady_and_checks_its_calls() -> None:
+    run = _run(FakeTarget())
+    _, batches = _parts(run)
+    _steady(run)
+    state = run.machine.loops["train"]
+    batches.steady_or_not("train", state, torch.zeros(4, 8), True, None)
+    steady, check = batches.steady_or_not("train", state, torch.zeros(5, 8), True, None)
+    assert steady and check is not None and "5" in check
+    assert run.machine.rearms == []
+
+
+def test_with_paired_calls_an_unseen_signature_probes_and_resumes_alone() -> None:
+    run = _run(FakeTarget(), collective=True)
+    run.config = make_config("aggressive", guard_collectives=True, audit_every=None)
+    _, batches = _parts(run)
+    _steady(run)
+    state = run.machine.loops["train"]
+    steady, check = batches.steady_or_not("train", state, torch.zeros(5, 8), True, None)
+    assert (steady, check, run.state.probe) == (False, None, "train")
+    assert run.machine.phase("train") == "warmup"
+    batches._end_probe("train", compiled=False)
+    assert run.machine.phase("train") == "steady" and run.state.probe is None
+    assert run.host.agreement.asked == 0  # no vote: this rank's cache served it
+
+
+def test_entry_is_blocked_once_with_a_warning() -> None:
+    run = _run(FakeTarget("net", breaks=True))
+    _, batches = _parts(run)
+    run.machine.batch_done("train", compiled=False)
+    batches.decide("train")
+    batches.decide("train")
+    assert run.machine.phase("train") == "warmup" and "graph breaks" in (run.machine.blocked or "")
+    assert len(run.host.warn.__self__) == 1  # type: ignore[attr-defined]  # the list warned to
+
+
+def test_entry_with_several_processes_is_every_ranks_vote() -> None:
+    run = _run(FakeTarget("net"), collective=True, votes=False)
+    _, batches = _parts(run)
+    run.machine.batch_done("train", compiled=False)
+    batches.decide("train")
+    assert run.machine.phase("train") == "warmup" and run.host.agreement.asked == 1
+    run.host.agreement.votes = True
+    batches.decide("train")
+    assert run.machine.phase("train") == "steady" and run.state.entered_together
+
+
+class FoundChecks(Checks):
+    """Checks whose boundary finds what the test says."""
+
+    found: Finding = Finding()
+
+    def boundary(self, target: Any, label: str, swaps_parameters: str | None = None) -> Finding:
+        return type(self).found
+
+
+@pytest.mark.parametrize(
+    ("found", "done", "phase"),
+    [
+        (Finding(retake=True), ["retake"], "steady"),
+        (Finding(leave="self.p == 2"), [("steady", False)], "warmup"),
+        (Finding(rebuild="a hook"), ["forget", "rebuild", ("steady", False)], "warmup"),
+        (Finding(), [], "steady"),
+    ],
+)
+def test_the_boundary_acts_on_what_the_check_found(
+    monkeypatch: pytest.MonkeyPatch, found: Finding, done: list[Any], phase: str
+) -> None:
+    t = FakeTarget("net")
+    run = _run(t)
+    monkeypatch.setattr(FoundChecks, "found", found)
+    run.checks = FoundChecks()
+    repairs, batches = _parts(run)
+    _steady(run)
+    repairs.set_steady(True)
+    t.done.clear()
+    batches.boundary("train")
+    assert t.done == done and run.machine.phase("train") == phase
