@@ -113,7 +113,12 @@ def test_a_steady_step_counts_only_under_the_stance_throughout() -> None:
     m.batch_done("train", compiled=False, under_stance=True)
     m.batch_done("train", compiled=False, under_stance=False)  # a lookup window's batch
     state = m.loops["train"]
-    assert (m.warmup_steps_taken, m.steady_steps, state.batches, state.since_compile) == (1, 1, 3, 2)
+    assert (m.warmup_steps_taken, m.steady_steps, state.batches, state.since_compile) == (
+        1,
+        1,
+        3,
+        2,
+    )
     assert state.warmed_once and type(m.steady_steps) is int
 
 
@@ -199,28 +204,37 @@ def _steady(run: Run) -> None:
 
 
 def test_an_unseen_signature_stays_steady_and_checks_its_calls() -> None:
-    run = _run(FakeTarget())
-    _, batches = _parts(run)
-    _steady(run)
-    state = run.machine.loops["train"]
-    batches.steady_or_not("train", state, torch.zeros(4, 8), True, None)
-    steady, check = batches.steady_or_not("train", state, torch.zeros(5, 8), True, None)
-    assert steady and check is not None and "5" in check
-    assert run.machine.rearms == []
+    m = PhaseMachine(warmup_steps=1, stable_steps=1, use_stance=True)
+    m.batch_done("train", compiled=False)
+    m.enter("train")
+    m.unseen("train", torch.zeros(4, 8))  # seen with full guards
+    assert m.steady_batch("train", torch.zeros(4, 8), True, None, False) == (True, None, None)
+    steady, check, leave = m.steady_batch("train", torch.zeros(5, 8), True, None, False)
+    assert steady and check is not None and "5" in check and leave is None
+    assert m.steady_batch("train", torch.zeros(5, 8), False, None, False) == (
+        False,
+        None,
+        "module.training is False in the train loop",
+    )
 
 
 def test_with_paired_calls_an_unseen_signature_probes_and_resumes_alone() -> None:
     run = _run(FakeTarget(), collective=True)
-    run.config = make_config("aggressive", guard_collectives=True, audit_every=None)
-    _, batches = _parts(run)
+    repairs, _ = _parts(run)
+    m = run.machine
     _steady(run)
-    state = run.machine.loops["train"]
-    steady, check = batches.steady_or_not("train", state, torch.zeros(5, 8), True, None)
-    assert (steady, check, run.state.probe) == (False, None, "train")
-    assert run.machine.phase("train") == "warmup"
-    batches._end_probe("train", compiled=False)
-    assert run.machine.phase("train") == "steady" and run.state.probe is None
+    steady, check, leave = m.steady_batch("train", torch.zeros(5, 8), True, None, True)
+    assert (steady, check, m.probe) == (False, None, "train")
+    assert leave is not None and leave.startswith("unseen batch signature")
+    repairs.rearm("train", leave)
+    assert m.phase("train") == "warmup"
+    m.batch_done("train", compiled=False)
+    assert m.phase("train") == "steady" and m.probe is None
     assert run.host.agreement.asked == 0  # no vote: this rank's cache served it
+    m.steady_batch("train", torch.zeros(6, 8), True, None, True)
+    repairs.rearm("train", "probe")
+    m.batch_done("train", compiled=True)  # the probe compiled: warm-up again
+    assert m.phase("train") == "warmup" and m.probe is None
 
 
 def test_entry_is_blocked_once_with_a_warning() -> None:

@@ -1,18 +1,16 @@
 """The checks around a batch, and entry: what the engine runs at a batch's start and end.
 
-:class:`BatchChecks` decides whether a batch runs steady (its signature and mode,
-:func:`~guardtrain.engine.decisions.steady_batch`), runs the lookup window's, the
-audit's and the verify batch's checks and the boundary re-check, and decides entry
-into the stance at decision points (:meth:`BatchChecks.decide`, the only place an
-entry is decided; the resume after a probe is the phase machine's
-:meth:`~guardtrain.engine.phases.PhaseMachine.resume`). What the checks find is acted on
-through :class:`~guardtrain.engine.repairs.Repairs`; every phase change goes through the
-run's :class:`~guardtrain.engine.phases.PhaseMachine`.
+:class:`BatchChecks` gives a training batch its turn (a lookup window's batch, an audit,
+a verify batch), runs the boundary re-check, ends a batch's checks, and decides entry
+into the stance at decision points (:meth:`BatchChecks.decide`, the only place an entry
+is decided; the resume after a probe is the phase machine's own,
+:meth:`~guardtrain.engine.phases.PhaseMachine.resume`). Whether a batch's signature and
+mode let it run steady is the phase machine's question
+(:meth:`~guardtrain.engine.phases.PhaseMachine.steady_batch`). What the checks find is
+acted on through :class:`~guardtrain.engine.repairs.Repairs`.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -22,7 +20,6 @@ from guardtrain.engine.changes import Change
 from guardtrain.engine.phases import LoopState, Phase
 from guardtrain.engine.repairs import Repairs
 from guardtrain.engine.run import TRAIN, Run
-from guardtrain.signatures import describe_signature
 
 __all__ = ["BatchChecks"]
 
@@ -43,64 +40,18 @@ class BatchChecks:
 
     # -- a batch's start -----------------------------------------------------------------------
 
-    def start(self, loop: str, batch: Any, training: bool, warmed_training: bool | None) -> None:
-        """Whether the batch's target calls run steady (with the stance in use): its
-        signature and mode, then the lookup window's, the audit's or the verify batch's
-        turn in training; no steady call in Lightning's sanity check."""
+    def training_turn(self, loop_state: LoopState, steady: bool, check: str | None) -> bool:
+        """A training batch's turn, after its signature and mode (``steady``; ``check``: the
+        unseen signature its calls check): a lookup window's batch, an audit, a verify
+        batch, or neither; returns whether it runs steady. Sets the guard collectives."""
         r = self.run
-        state = r.state
-        loop_state = r.machine.loops[loop]
-        steady, check = self.steady_or_not(loop, loop_state, batch, training, warmed_training)
-        if loop == TRAIN:
-            if r.lookup.measure is not None and steady:
-                steady = self.lookup_batch(check is not None)
-            elif loop_state.batches >= r.checks.next_check:
-                steady = self.audit_or_verify(steady, check is not None)
-            if r.config.guard_collectives:
-                r.dynamo.set_guard_collectives(r.paired() and state.entered_together)
-        elif steady and r.host.sanity_checking():
-            steady = False
-        if steady is not state.stance_on:
-            self.repairs.set_steady(steady)
-        if check is not None and steady:
-            # The stance stays; each call first shows that an entry's guards
-            # accept its inputs, or leaves the stance before it runs (H26).
-            self.repairs.start_checking(check)
-
-    def steady_or_not(
-        self,
-        loop: str,
-        state: LoopState,
-        batch: Any,
-        training: bool,
-        warmed_training: bool | None,
-    ) -> tuple[bool, str | None]:
-        """Whether the batch may run under the stance: ``(steady, check)``.
-
-        A steady loop leaves the stance for an unseen signature or another mode, or
-        keeps it and checks each call's inputs (``check``: the signature, H26).
-        """
-        steady = state.phase == STEADY
-        same = state.same
-        if same is not None and same.signature is state.last_signature and same.matches(batch):
-            unseen, signature = False, None  # the previous batch's signature (most batches)
-        else:
-            unseen, signature = self.run.machine.unseen(loop, batch)
-        if not steady or not (
-            unseen
-            or training is not ((loop == TRAIN) if warmed_training is None else warmed_training)
-        ):
-            return steady, None
-        described = describe_signature(signature) if unseen else None
-        reason, check, probe = decisions.steady_batch(
-            loop, described, training, warmed_training, self.run.paired()
-        )
-        if probe:
-            self.run.state.probe = loop
-        if reason is None:
-            return True, check
-        self.repairs.rearm(loop, reason)
-        return False, None
+        if r.lookup.measure is not None and steady:
+            steady = self.lookup_batch(check is not None)
+        elif loop_state.batches >= r.checks.next_check:
+            steady = self.audit_or_verify(steady, check is not None)
+        if r.config.guard_collectives:
+            r.dynamo.set_guard_collectives(r.paired() and r.state.entered_together)
+        return steady
 
     def lookup_batch(self, unseen: bool) -> bool:
         """A lookup window's batch; False for one with full guards (a compile re-arms, as
@@ -179,15 +130,14 @@ class BatchChecks:
 
     def end(self, loop: str, compiled: bool) -> None:
         """A batch ended (``compiled``: a target compiled in it): its checks end, the phase
-        machine counts it, a compile is looked at, and entry is decided where it may be."""
+        machine counts it (and resumes a probe that compiled nothing), a compile is looked
+        at, and entry is decided where it may be."""
         r = self.run
         m, state = r.machine, r.state
         self._end_checks(loop, compiled)
         m.batch_done(loop, compiled, state.stance_at_start and state.stance_on)
         if compiled:
             self.repairs.after_compile()
-        if state.probe is not None:
-            self._end_probe(loop, compiled)
         if loop == TRAIN and (m.collective or m.loops[loop].phase != STEADY):
             self.decision_point()  # steady in one process: no decision
 
@@ -205,13 +155,6 @@ class BatchChecks:
             self._end_verify()
         if r.lookup.window is not None and loop == TRAIN:
             r.lookup.end_batch(r.config.lookup_window)
-
-    def _end_probe(self, loop: str, compiled: bool) -> None:
-        """After a batch that probed an unseen signature with full guards (H26)."""
-        state = self.run.state
-        if state.probe == loop and not compiled and not self.run.machine.steady(loop):
-            self.run.machine.resume(loop)  # a rank may resume alone: its own cache served it
-        state.probe = None
 
     def _end_verify(self) -> None:
         """A verify batch rebuilds each target whose compiled result differed from eager."""

@@ -53,7 +53,7 @@ __all__ = ["GuardEngine"]
 
 # The engine's whole contract with its adapters (every entry point and all it shows
 # them) stays in one class; the work is done by the parts it holds.
-# Lines 344: the contract is its seam.
+# Lines 354: the contract is its seam.
 class GuardEngine:
     """One adapter's runs: compiled targets, phases, checks, the stance and the report.
 
@@ -364,8 +364,18 @@ class GuardEngine:
             state.pending.discard(loop)
             self._batches.boundary(loop)
         r.targets.batch_starts()  # the first call checks what events miss (H42)
-        if r.machine.use_stance:
-            self._batches.start(loop, batch, training, warmed_training)
+        m = r.machine
+        if m.use_stance:
+            steady, check, leave = m.steady_batch(
+                loop, batch, training, warmed_training, r.paired()
+            )
+            if leave is not None:
+                self._repairs.rearm(loop, leave)
+            if loop == TRAIN:
+                steady = self._batches.training_turn(m.loops[loop], steady, check)
+            elif steady and r.host.sanity_checking():
+                steady = False
+            self._repairs.steady_for_batch(steady, check)
         state.stance_at_start = state.stance_on
         state.compiles_at_batch = r.monitor.compiles
 

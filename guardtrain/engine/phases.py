@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from guardtrain.signatures import SameSignature, batch_signature
+from guardtrain.engine import decisions
+from guardtrain.signatures import SameSignature, batch_signature, describe_signature
 
 __all__ = ["LOOPS", "PHASE_NUMBERS", "Loop", "LoopState", "Phase", "PhaseMachine"]
 
@@ -126,6 +127,8 @@ class PhaseMachine:
         """Entries, re-arms and a blocked stance so far (each moves the logged metrics)."""
         self.blocked: str | None = None
         """Why the stance stays off for the rest of the run (:meth:`block`), or None."""
+        self.probe: str | None = None
+        """The loop whose current batch probes an unseen signature with full guards."""
 
     def phase(self, loop: str) -> str:
         return self.loops[loop].phase if self.use_stance else "off"
@@ -146,6 +149,10 @@ class PhaseMachine:
             state.pass_compiled = True
         else:
             state.since_compile += 1
+        if self.probe is not None:
+            if self.probe == loop and not compiled and state.phase != "steady":
+                self.resume(loop)
+            self.probe = None
         if loop == "train":
             if state.phase == "steady" and self.use_stance:
                 self.steady_steps += under_stance
@@ -192,8 +199,8 @@ class PhaseMachine:
 
     def resume(self, loop: str) -> None:
         """``loop`` is steady again after a batch that probed an unseen signature with full
-        guards and compiled nothing (H26): its own cache served the batch, so this rank
-        resumes alone, with no vote."""
+        guards and compiled nothing (H26, :meth:`batch_done`): its own cache served the
+        batch, so this rank resumes alone, with no vote."""
         self.loops[loop].phase = "steady"
         self.changes += 1
 
@@ -227,6 +234,42 @@ class PhaseMachine:
         if rank is not None:
             record["rank"] = rank
         self.rearms.append(record)
+
+    def steady_batch(
+        self, loop: str, batch: Any, training: bool, warmed_training: bool | None, paired: bool
+    ) -> tuple[bool, str | None, str | None]:
+        """Whether a batch of ``loop`` may run steady: ``(steady, check, leave)``.
+
+        A steady loop stays steady for a batch whose signature it has seen, in the mode it
+        warmed up in. For an unseen signature it stays steady and each call checks its
+        inputs (``check``, the described signature, H26); with ``paired`` calls the batch
+        probes the signature with full guards instead (``leave`` says why), and the loop
+        resumes at :meth:`batch_done` if it compiled nothing. Another mode leaves
+        (``leave``). The caller re-arms the loop when ``leave`` is set
+        (:func:`~guardtrain.engine.decisions.steady_batch` decides).
+
+        Args:
+            training: the model's ``training`` flag now.
+            warmed_training: the flag the loop warmed up with (None: ``True`` in
+                training only, the Trainer's rule).
+        """
+        state = self.loops[loop]
+        steady = state.phase == "steady"
+        same = state.same
+        if same is not None and same.signature is state.last_signature and same.matches(batch):
+            unseen, signature = False, None  # the previous batch's signature (most batches)
+        else:
+            unseen, signature = self.unseen(loop, batch)
+        expected = (loop == "train") if warmed_training is None else warmed_training
+        if not steady or not (unseen or training is not expected):
+            return steady, None, None
+        described = describe_signature(signature) if unseen else None
+        leave, check, probe = decisions.steady_batch(
+            loop, described, training, warmed_training, paired
+        )
+        if probe:
+            self.probe = loop
+        return leave is None, check, leave
 
     def unseen(self, loop: str, batch: Any) -> tuple[bool, Any]:
         """Whether ``batch``'s signature is new to ``loop``, and the signature, read in full.

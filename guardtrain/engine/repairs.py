@@ -101,6 +101,15 @@ class Repairs:
         for target in r.targets.installed:
             target.set_under_stance(on, stances)
 
+    def steady_for_batch(self, steady: bool, check: str | None) -> None:
+        """The batch's calls run steady or not; a steady batch with an unseen signature
+        (``check``) keeps the stance, and each call first shows that an entry's guards
+        accept its inputs, or leaves the stance before it runs (H26)."""
+        if steady is not self.run.state.stance_on:
+            self.set_steady(steady)
+        if check is not None and steady:
+            self.start_checking(check)
+
     def start_checking(self, described: str) -> None:
         """Each call of this batch checks its inputs against an entry's guards (H26)."""
         self.run.checks.checking = described

@@ -44,8 +44,6 @@ class RunState:
     entered_together: bool = False
     uncompiled: list[str] = field(default_factory=list)
     compiles_at_batch: int = 0
-    probe: str | None = None
-    """The loop whose current batch probes an unseen signature with full guards."""
     stance_on: bool = False
     """The current batch is steady: each target call runs under the stance, set for that
     call alone (H41), or directly (turbo)."""
