@@ -208,10 +208,10 @@ def test_an_unseen_signature_stays_steady_and_checks_its_calls() -> None:
     m.batch_done("train", compiled=False)
     m.enter("train")
     m.unseen("train", torch.zeros(4, 8))  # seen with full guards
-    assert m.steady_batch("train", torch.zeros(4, 8), True, None, False) == (True, None, None)
-    steady, check, leave = m.steady_batch("train", torch.zeros(5, 8), True, None, False)
+    assert m.steady_batch("train", torch.zeros(4, 8), True, None) == (True, None, None)
+    steady, check, leave = m.steady_batch("train", torch.zeros(5, 8), True, None)
     assert steady and check is not None and "5" in check and leave is None
-    assert m.steady_batch("train", torch.zeros(5, 8), False, None, False) == (
+    assert m.steady_batch("train", torch.zeros(5, 8), False, None) == (
         False,
         None,
         "module.training is False in the train loop",
@@ -222,8 +222,9 @@ def test_with_paired_calls_an_unseen_signature_probes_and_resumes_alone() -> Non
     run = _run(FakeTarget(), collective=True)
     repairs, _ = _parts(run)
     m = run.machine
+    m.paired = True  # guard collectives (setup sets it)
     _steady(run)
-    steady, check, leave = m.steady_batch("train", torch.zeros(5, 8), True, None, True)
+    steady, check, leave = m.steady_batch("train", torch.zeros(5, 8), True, None)
     assert (steady, check, m.probe) == (False, None, "train")
     assert leave is not None and leave.startswith("unseen batch signature")
     repairs.rearm("train", leave)
@@ -231,7 +232,7 @@ def test_with_paired_calls_an_unseen_signature_probes_and_resumes_alone() -> Non
     m.batch_done("train", compiled=False)
     assert m.phase("train") == "steady" and m.probe is None
     assert run.host.agreement.asked == 0  # no vote: this rank's cache served it
-    m.steady_batch("train", torch.zeros(6, 8), True, None, True)
+    m.steady_batch("train", torch.zeros(6, 8), True, None)
     repairs.rearm("train", "probe")
     m.batch_done("train", compiled=True)  # the probe compiled: warm-up again
     assert m.phase("train") == "warmup" and m.probe is None

@@ -128,21 +128,9 @@ class BatchChecks:
 
     # -- a batch's end -------------------------------------------------------------------------
 
-    def end(self, loop: str, compiled: bool) -> None:
-        """A batch ended (``compiled``: a target compiled in it): its checks end, the phase
-        machine counts it (and resumes a probe that compiled nothing), a compile is looked
-        at, and entry is decided where it may be."""
-        r = self.run
-        m, state = r.machine, r.state
-        self._end_checks(loop, compiled)
-        m.batch_done(loop, compiled, state.stance_at_start and state.stance_on)
-        if compiled:
-            self.repairs.after_compile()
-        if loop == TRAIN and (m.collective or m.loops[loop].phase != STEADY):
-            self.decision_point()  # steady in one process: no decision
-
-    def _end_checks(self, loop: str, compiled: bool) -> None:
-        """End this batch's input checks, audit, verify batch and lookup window batch."""
+    def end_checks(self, loop: str, compiled: bool) -> None:
+        """End this batch's input checks, audit, verify batch and lookup window batch (the
+        engine calls it when one of them runs)."""
         r = self.run
         ch = r.checks
         if ch.checking is not None:

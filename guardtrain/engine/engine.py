@@ -35,25 +35,21 @@ from guardtrain import versions as _versions
 from guardtrain.engine import levers as _levers
 from guardtrain.engine import runs as _runs
 from guardtrain.engine import summary, warmstart
-from guardtrain.engine.batches import BatchChecks
-from guardtrain.engine.checks import Checks
+from guardtrain.engine.batches import STEADY, BatchChecks
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
 from guardtrain.engine.host import Host
 from guardtrain.engine.levers import Levers
-from guardtrain.engine.lookup import LookupWindows
-from guardtrain.engine.phases import Phase, PhaseMachine
-from guardtrain.engine.process import PROCESS
+from guardtrain.engine.phases import Phase
 from guardtrain.engine.repairs import Repairs
-from guardtrain.engine.run import TRAIN, Run, RunState
+from guardtrain.engine.run import TRAIN, Run
 from guardtrain.engine.targets import Hooks, TargetSet
-from guardtrain.profiling import CompileMonitor
 
 __all__ = ["GuardEngine"]
 
 
 # The engine's whole contract with its adapters (every entry point and all it shows
 # them) stays in one class; the work is done by the parts it holds.
-# Lines 354: the contract is its seam.
+# Lines 346: the contract is its seam.
 class GuardEngine:
     """One adapter's runs: compiled targets, phases, checks, the stance and the report.
 
@@ -76,35 +72,10 @@ class GuardEngine:
             lambda target, why: self._repairs.on_switch_off(target, why),
             lambda target, note: self._repairs.on_change(target, note),
         )
-        host = host or Host()
-        levers = _levers.requested(config)
-        self.run = Run(
-            config=config,
-            host=host,
-            levers=levers,
-            targets=TargetSet(config, levers, hooks),
-            machine=self._machine(config),
-            monitor=CompileMonitor(),
-            dynamo=PROCESS.start_run(host.owner),
-        )
+        self.run = Run.first(config, host or Host(), hooks)
         """The run's parts (the engine's own: adapters read what the engine shows)."""
         self._repairs = Repairs(self.run)
         self._batches = BatchChecks(self.run, self._repairs)
-        self.metrics = summary.MetricsLog()
-
-    @staticmethod
-    def _machine(config: GuardConfig) -> PhaseMachine:
-        lv = config.levers
-        return PhaseMachine(lv.warmup_steps, lv.stable_steps, lv.use_stance)
-
-    def _new_run(self) -> None:
-        r = self.run
-        r.machine = self._machine(r.config)
-        r.monitor = CompileMonitor()
-        r.dynamo = PROCESS.start_run(r.host.owner)
-        r.levers = _levers.requested(r.config)
-        r.targets = r.targets.next_run(r.config, r.levers)
-        r.checks, r.lookup, r.state = Checks(), LookupWindows(), RunState()
         self.metrics = summary.MetricsLog()
 
     # -- what the adapters read -------------------------------------------------------------
@@ -148,7 +119,8 @@ class GuardEngine:
 
     def steady(self, loop: str) -> bool:
         """Whether ``loop``'s batches run steady now (under the stance, or directly)."""
-        return self.run.machine.steady(loop)
+        m = self.run.machine  # PhaseMachine.steady, read in one frame (GuardTuner's step)
+        return m.use_stance and m.loops[loop].phase == STEADY
 
     def warmed(self, loop: str) -> bool:
         """Whether ``loop`` has warmed up: steady, or ready to enter at its next decision."""
@@ -228,7 +200,8 @@ class GuardEngine:
         if self._ran:  # a later run: the summary goes on from the earlier ones
             r.restored = summary.carried(self.summary(), self.train_batches())
             self._ran = False
-        self._new_run()
+        r.renew()
+        self.metrics = summary.MetricsLog()
         r.targets.adapter_took_over = list(took_over or ())
         if r.config.disabled:
             r.host.info(
@@ -241,6 +214,7 @@ class GuardEngine:
         if path is not None and self.compile_cache is None:  # before anything compiles
             self.compile_cache = warmstart.load(path, r.host, r.config.compile_kwargs)
         r.machine.collective = world_size > 1
+        r.machine.paired = r.config.guard_collectives and r.machine.collective
         r.state.rank = rank if r.machine.collective else None
         r.state.swaps_parameters = swaps_parameters or sharded_by_hand
         _levers.resolve(
@@ -366,16 +340,21 @@ class GuardEngine:
         r.targets.batch_starts()  # the first call checks what events miss (H42)
         m = r.machine
         if m.use_stance:
-            steady, check, leave = m.steady_batch(
-                loop, batch, training, warmed_training, r.paired()
-            )
+            steady, check, leave = m.steady_batch(loop, batch, training, warmed_training)
             if leave is not None:
                 self._repairs.rearm(loop, leave)
             if loop == TRAIN:
-                steady = self._batches.training_turn(m.loops[loop], steady, check)
+                loop_state = m.loops[loop]
+                if (
+                    r.lookup.measure is not None
+                    or loop_state.batches >= r.checks.next_check
+                    or r.config.guard_collectives
+                ):
+                    steady = self._batches.training_turn(loop_state, steady, check)
             elif steady and r.host.sanity_checking():
                 steady = False
-            self._repairs.steady_for_batch(steady, check)
+            if steady is not state.stance_on or check is not None:
+                self._repairs.steady_for_batch(steady, check)
         state.stance_at_start = state.stance_on
         state.compiles_at_batch = r.monitor.compiles
 
@@ -385,9 +364,18 @@ class GuardEngine:
         state = r.state
         if not state.active:
             return
-        self._batches.end(loop, r.monitor.compiles != state.compiles_at_batch)
-        if loop == TRAIN and state.logged_changes != r.changes():
-            self._log_changes()
+        m, ch = r.machine, r.checks
+        compiled = r.monitor.compiles != state.compiles_at_batch
+        if ch.checking is not None or ch.audit_batch or ch.verify_batch or r.lookup.window:
+            self._batches.end_checks(loop, compiled)
+        m.batch_done(loop, compiled, state.stance_at_start and state.stance_on)
+        if compiled:
+            self._repairs.after_compile()
+        if loop == TRAIN:
+            if m.collective or m.loops[loop].phase != STEADY:  # steady alone: no decision
+                self._batches.decision_point()
+            if state.logged_changes != r.changes():
+                self._log_changes()
 
     def loop_end(self, loop: str, complete: bool = True) -> None:
         """A pass of ``loop`` ended (``complete`` is False for a sanity check or a cut pass)."""

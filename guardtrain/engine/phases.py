@@ -127,6 +127,8 @@ class PhaseMachine:
         """Entries, re-arms and a blocked stance so far (each moves the logged metrics)."""
         self.blocked: str | None = None
         """Why the stance stays off for the rest of the run (:meth:`block`), or None."""
+        self.paired = False
+        """Guard collectives pair every compiled call across ranks (they act together)."""
         self.probe: str | None = None
         """The loop whose current batch probes an unseen signature with full guards."""
 
@@ -236,13 +238,13 @@ class PhaseMachine:
         self.rearms.append(record)
 
     def steady_batch(
-        self, loop: str, batch: Any, training: bool, warmed_training: bool | None, paired: bool
+        self, loop: str, batch: Any, training: bool, warmed_training: bool | None
     ) -> tuple[bool, str | None, str | None]:
         """Whether a batch of ``loop`` may run steady: ``(steady, check, leave)``.
 
         A steady loop stays steady for a batch whose signature it has seen, in the mode it
         warmed up in. For an unseen signature it stays steady and each call checks its
-        inputs (``check``, the described signature, H26); with ``paired`` calls the batch
+        inputs (``check``, the described signature, H26); with :attr:`paired` calls the batch
         probes the signature with full guards instead (``leave`` says why), and the loop
         resumes at :meth:`batch_done` if it compiled nothing. Another mode leaves
         (``leave``). The caller re-arms the loop when ``leave`` is set
@@ -265,7 +267,7 @@ class PhaseMachine:
             return steady, None, None
         described = describe_signature(signature) if unseen else None
         leave, check, probe = decisions.steady_batch(
-            loop, described, training, warmed_training, paired
+            loop, described, training, warmed_training, self.paired
         )
         if probe:
             self.probe = loop

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from guardtrain.engine import levers as _levers
 from guardtrain.engine.changes import ChangeLog
 from guardtrain.engine.checks import Checks
 from guardtrain.engine.config import GuardConfig
@@ -19,8 +20,8 @@ from guardtrain.engine.host import Host
 from guardtrain.engine.levers import Levers
 from guardtrain.engine.lookup import LookupWindows
 from guardtrain.engine.phases import Loop, PhaseMachine
-from guardtrain.engine.process import DynamoSettings
-from guardtrain.engine.targets import TargetSet
+from guardtrain.engine.process import PROCESS, DynamoSettings
+from guardtrain.engine.targets import Hooks, TargetSet
 from guardtrain.profiling import CompileMonitor
 
 __all__ = ["TRAIN", "Run", "RunState"]
@@ -84,6 +85,29 @@ class Run:
     restored: dict[str, Any] = field(default_factory=dict)
     """Counters of earlier runs (a checkpoint, or earlier trainer calls)."""
 
+    @classmethod
+    def first(cls, config: GuardConfig, host: Host, hooks: Hooks) -> Run:
+        """An engine's first run: its targets report to ``hooks``."""
+        levers = _levers.requested(config)
+        return cls(
+            config=config,
+            host=host,
+            levers=levers,
+            targets=TargetSet(config, levers, hooks),
+            machine=_machine(config),
+            monitor=CompileMonitor(),
+            dynamo=PROCESS.start_run(host.owner),
+        )
+
+    def renew(self) -> None:
+        """A new run, of :attr:`config`: fresh parts, the compiled targets kept (H28)."""
+        self.machine = _machine(self.config)
+        self.monitor = CompileMonitor()
+        self.dynamo = PROCESS.start_run(self.host.owner)
+        self.levers = _levers.requested(self.config)
+        self.targets = self.targets.next_run(self.config, self.levers)
+        self.checks, self.lookup, self.state = Checks(), LookupWindows(), RunState()
+
     def train_batches(self) -> int:
         """Training batches of this run and the earlier ones (a checkpoint's included)."""
         return self.machine.loops[TRAIN].batches + self.restored.get("train_batches", 0)
@@ -95,11 +119,17 @@ class Run:
         return self.machine.changes + self.monitor.compiles + self.lookup.results
 
     def paired(self) -> bool:
-        """Ranks must act together: guard collectives pair every compiled call across ranks."""
-        return self.config.guard_collectives and self.machine.collective
+        """Ranks must act together: guard collectives pair every compiled call across ranks
+        (the phase machine's ``paired``, set with the run's world size)."""
+        return self.machine.paired
 
     def any_rank(self, flag: bool) -> bool:
         """``flag`` on any rank (one collective when calls are paired), else this rank's."""
         if self.paired():
             return self.host.agreement.any(flag)
         return flag
+
+
+def _machine(config: GuardConfig) -> PhaseMachine:
+    lv = config.levers
+    return PhaseMachine(lv.warmup_steps, lv.stable_steps, lv.use_stance)
