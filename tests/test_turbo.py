@@ -366,7 +366,7 @@ def test_verify_batches_take_the_normal_path() -> None:
             with tuner.step((x,)):
                 before = _direct_calls(tuner)
                 model(x).sum().backward()
-                counts.append((tuner.engine.checks.verify_batch, _direct_calls(tuner) - before))
+                counts.append((tuner.engine.run.checks.verify_batch, _direct_calls(tuner) - before))
     assert any(verify for verify, _ in counts)
     assert all(n == 0 for verify, n in counts if verify)
     assert any(n == 1 for verify, n in counts if not verify)

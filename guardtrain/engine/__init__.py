@@ -11,8 +11,8 @@
 * :mod:`~guardtrain.engine.levers`: the levers the installed torch and the strategy allow.
 * :mod:`~guardtrain.engine.targets`: the compiled targets: activate, reuse, split on
   graph breaks, restore.
-* :mod:`~guardtrain.engine.checks`: boundary, audit, verify and input checks; they
-  return findings, the engine acts.
+* :mod:`~guardtrain.engine.checks`: the boundary re-check, changes caught before a call,
+  misses, audits; they return findings, the engine's parts act.
 * :mod:`~guardtrain.engine.changes`: changes caught before a call, and what each calls for.
 * :mod:`~guardtrain.engine.lookup`: the lookup windows (guard time per step, profiled).
 * :mod:`~guardtrain.engine.summary`: ``summary()``, ``state_dict()``, the table, metrics.

@@ -118,7 +118,8 @@ class GuardEngine:
         return str(r.machine.phase(TRAIN))
 
     def steady(self, loop: str) -> bool:
-        """Whether ``loop``'s batches run steady now (under the stance, or directly)."""
+        """Whether ``loop`` is in its steady phase: its batches run under the stance (or
+        directly), but for an audit's, a probe's or a lookup window's batch."""
         m = self.run.machine  # PhaseMachine.steady, read in one frame (GuardTuner's step)
         return m.use_stance and m.loops[loop].phase == STEADY
 

@@ -1,6 +1,6 @@
 """Host: how the engine reaches the outside world (messages, metrics, rank agreement).
 
-Every adapter fills one in; the engine and its rooms (levers, targets, the warm
+Every adapter fills one in; the engine and its parts (levers, targets, the warm
 start) only talk through it, so none of them imports Lightning.
 """
 

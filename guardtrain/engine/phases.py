@@ -151,15 +151,15 @@ class PhaseMachine:
             state.pass_compiled = True
         else:
             state.since_compile += 1
-        if self.probe is not None:
-            if self.probe == loop and not compiled and state.phase != "steady":
-                self.resume(loop)
-            self.probe = None
         if loop == "train":
             if state.phase == "steady" and self.use_stance:
                 self.steady_steps += under_stance
             else:
                 self.warmup_steps_taken += 1
+        if self.probe is not None:  # counted as the warm-up step it was
+            if self.probe == loop and not compiled and state.phase != "steady":
+                self.resume(loop)
+            self.probe = None
         if not state.warmed_once and state.batches >= self.warmup_steps:
             state.warmed_once = True
 

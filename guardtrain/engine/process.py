@@ -18,10 +18,12 @@ piece is put back when the run that changed it ends, also after an exception:
   the first installed target and takes them out with the last.
 * **Compiles taken over** from the framework (accelerate's dynamo plugin, H38):
   :meth:`ProcessState.take` records how each is given back, :meth:`ProcessState.give_back`
-  gives it back.
+  gives it back. The Trainer callback holds it from the Trainer's init until its
+  ``release()``, across the Trainer's runs.
 * **The runs that hold modules** (:data:`~guardtrain.engine.runs.RUNS`, H45).
 
-:meth:`ProcessState.changed` lists what is changed now: after every run it is empty.
+:meth:`ProcessState.changed` lists what is changed now: once every run has ended and
+every take-over is given back, it is empty.
 """
 
 from __future__ import annotations
@@ -146,7 +148,9 @@ class ProcessState:
         self.runs = runs
         """The runs that hold modules (H45)."""
         self._settings: weakref.WeakSet[DynamoSettings] = weakref.WeakSet()
-        self._taken: dict[int, tuple[str, Callable[[], None]]] = {}
+        self._taken: weakref.WeakKeyDictionary[Any, tuple[str, Callable[[], None]]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def start_run(self, owner: str) -> DynamoSettings:
         """The Dynamo settings of a new run, named for its adapter ``owner``."""
@@ -154,19 +158,20 @@ class ProcessState:
         self._settings.add(settings)
         return settings
 
-    def take(self, key: object, what: str, give_back: Callable[[], None]) -> None:
-        """Record a compile taken over from the framework: ``what`` names it, ``give_back``
-        puts it back (:meth:`give_back` with the same ``key``)."""
-        self._taken[id(key)] = (what, give_back)
+    def take(self, key: Any, what: str, give_back: Callable[[], None]) -> None:
+        """Record a compile taken over from the framework by ``key`` (the adapter's object,
+        held weakly): ``what`` names it, ``give_back`` puts it back (:meth:`give_back`)."""
+        self._taken[key] = (what, give_back)
 
-    def give_back(self, key: object) -> None:
-        """Give back what :meth:`take` recorded under ``key`` (nothing if none)."""
-        found = self._taken.pop(id(key), None)
+    def give_back(self, key: Any) -> None:
+        """Give back what :meth:`take` recorded for ``key`` (nothing if none)."""
+        found = self._taken.pop(key, None)
         if found is not None:
             found[1]()
 
     def changed(self) -> list[str]:
-        """Everything guardtrain has changed in the process now, by name (empty between runs)."""
+        """Everything guardtrain has changed in the process now, by name: empty once every
+        run has ended and every take-over is given back."""
         found = [
             f"{item} ({settings.owner}'s run)"
             for settings in list(self._settings)
