@@ -324,7 +324,6 @@ def assert_restored(model: nn.Module | None = None) -> None:
     from torch.utils.hooks import RemovableHandle
 
     from guardtrain.compile import watch
-
     from guardtrain.engine.process import PROCESS
 
     left = PROCESS.changed()

@@ -145,7 +145,9 @@ def test_steady_loop_sees_every_signature_change() -> None:
         assert tuner.phase == "steady"
         engine = tuner.engine
         same = engine.run.machine.loops["train"].same
-        assert same is not None and same.signature is engine.run.machine.loops["train"].last_signature
+        assert (
+            same is not None and same.signature is engine.run.machine.loops["train"].last_signature
+        )
         _steps(tuner, model, [_pair() for _ in range(3)])
         assert tuner.phase == "steady" and engine.run.machine.loops["train"].same is same
         # Other strides (of the target, which the model does not see), the same
