@@ -104,7 +104,7 @@ def test_autocast_on_every_other_step(preset: str) -> None:
     assert s["phase"] == "steady"
     after_warmup = STEPS - s["warmup_steps_taken"]
     assert s["steady_steps"] == after_warmup, (s["steady_steps"], s["rearms"])
-    if PRESETS[preset].direct_dispatch:
+    if s["direct_dispatch"]["requested"]:  # also `aggressive` under --turbo-everywhere
         assert s["direct_dispatch"]["calls"] >= 0.8 * after_warmup, s["direct_dispatch"]
     else:
         # The share under the stance is what this torch's stance can serve (docs/bench.md,

@@ -69,7 +69,11 @@ def test_begin_sets_only_the_values_that_differ() -> None:
 
 def test_a_take_over_is_listed_until_it_is_given_back() -> None:
     given: list[str] = []
-    key = object()
+
+    class Adapter:
+        """What takes the compile over (held weakly)."""
+
+    key = Adapter()
     PROCESS.take(key, "accelerate's dynamo plugin, taken over by a test", lambda: given.append("x"))
     assert PROCESS.changed() == ["accelerate's dynamo plugin, taken over by a test"]
     PROCESS.give_back(key)

@@ -49,7 +49,7 @@ __all__ = ["GuardEngine"]
 
 # The engine's whole contract with its adapters (every entry point and all it shows
 # them) stays in one class; the work is done by the parts it holds.
-# Lines 346: the contract is its seam.
+# Lines 347: the contract is its seam.
 class GuardEngine:
     """One adapter's runs: compiled targets, phases, checks, the stance and the report.
 
