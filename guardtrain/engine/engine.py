@@ -120,8 +120,7 @@ class GuardEngine:
     def steady(self, loop: str) -> bool:
         """Whether ``loop`` is in its steady phase: its batches run under the stance (or
         directly), but for an audit's, a probe's or a lookup window's batch."""
-        m = self.run.machine  # PhaseMachine.steady, read in one frame (GuardTuner's step)
-        return m.use_stance and m.loops[loop].phase == STEADY
+        return self.run.machine.steady(loop)
 
     def warmed(self, loop: str) -> bool:
         """Whether ``loop`` has warmed up: steady, or ready to enter at its next decision."""
@@ -367,6 +366,7 @@ class GuardEngine:
             return
         m, ch = r.machine, r.checks
         compiled = r.monitor.compiles != state.compiles_at_batch
+        # What BatchChecks.end_checks ends: called only when one of them runs.
         if ch.checking is not None or ch.audit_batch or ch.verify_batch or r.lookup.window:
             self._batches.end_checks(loop, compiled)
         m.batch_done(loop, compiled, state.stance_at_start and state.stance_on)

@@ -50,38 +50,36 @@ class LookupWindows:
                 return True
         return self.measure != "full"
 
-    def end_batch(self, size: int) -> bool:
-        """After a measured training batch; True when a finished window recorded its result."""
+    def end_batch(self, size: int) -> None:
+        """After a measured training batch: a finished window records its result."""
         self.measure_left -= 1
-        if self.measure_left > 0 or self.window is None:
-            return False
-        return self.close(size, size)
+        if self.measure_left <= 0 and self.window is not None:
+            self.close(size, size)
 
-    def close(self, steps: int, size: int) -> bool:
+    def close(self, steps: int, size: int) -> None:
         """Stop the window after ``steps`` training batches and record what it measured.
 
-        Returns True when the window under the stance was recorded (a change to log);
+        A recorded window under the stance counts in :attr:`results` (a change to log);
         after the window with full guards, one of ``size`` batches under the stance follows.
         """
         stats = self.window.stop(calls=max(steps, 1))
         self.window = None
         if stats is None or steps < 1:
             self.measure = None
-            return False
+            return
         per_step = (stats.guard_us_per_call or 0.0) + (stats.pregraph_us_per_call or 0.0)
         which = "full_guards" if self.measure == "full" else "steady"
         self.lookup_calls[which] = {"steps": steps, "lookups": stats.lookups}
         if self.measure == "full":
             self.lookup["full_guards"] = per_step
             self.measure, self.measure_left = "steady", size
-            return False
+            return
         self.lookup["steady"] = per_step
         full = self.lookup.get("full_guards")
         if full:
             self.lookup["saving"] = 1.0 - per_step / full
         self.measure = None
         self.results += 1
-        return True
 
     def cut(self, size: int) -> None:
         """Another loop starts: a window counts every compiled call, and that loop's must
