@@ -100,6 +100,20 @@ def _global_hooks() -> tuple[tuple[int, ...], ...]:
     )
 
 
+_HOOK_KINDS = ("forward pre-hook", "forward hook", "backward pre-hook", "backward hook")
+
+
+def _hooks_change(name: str, before: tuple[Any, ...] | None, row: tuple[Any, ...]) -> str:
+    """What changed in the hooks of submodule ``name``: which kind was added or removed."""
+    old = before[2] if before is not None else ((),) * len(row[2])
+    for kind, was, now in zip(_HOOK_KINDS, old, row[2]):
+        if len(now) > len(was) and set(was) <= set(now):
+            return f"a {kind} was added to {name!r}"
+        if len(now) < len(was) and set(now) <= set(was):
+            return f"a {kind} was removed from {name!r}"
+    return f"hooks of {name!r} changed"
+
+
 def fingerprint_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None:
     """Describe the first difference between two :func:`module_fingerprint` values."""
     if old == new:
@@ -129,7 +143,7 @@ def _row_change(
     """How one row of a fingerprint differs from the row of the same name before, or None."""
     kind, name = key
     if kind == "hooks":
-        return f"hooks of {name!r} changed" if before != row else None
+        return None if before == row else _hooks_change(name, before, row)
     if before is None:
         return f"{kind} {name!r} was added"
     if before[2] != row[2]:

@@ -23,18 +23,28 @@ a float, a str) that also reads a class attribute and a list attribute, and a
 part may grow with the number of modules. Medians of 7 repeats, minus an empty loop.
 ``--opcodes`` also counts the Python opcodes that one steady call executes in
 guardtrain's frames (``aggressive`` and ``turbo``, compiled call stubbed for
-``aggressive``), which does not depend on the machine's load. Usage::
+``aggressive``), which does not depend on the machine's load.
 
-    .venv/bin/python scripts/change_check_cost.py [--opcodes]
+``--flip`` times a flip back to a known state (H46) on DPO's adapter switch: a tiny peft
+LoRA Llama whose adapters are disabled and enabled between calls (peft's
+``disable_adapter_layers()``: 8 ``requires_grad`` flips and 4 attribute writes each way),
+steady with ``aggressive``, the compiled call stubbed. ``flip + call`` minus ``flip``
+alone minus a steady call without a flip is what the flip adds to the call that follows
+it (the budget: 2 µs). Usage::
+
+    .venv/bin/python scripts/change_check_cost.py [--opcodes] [--flip]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import sys
+import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from direct_check_cost import per_call  # scripts/ is on sys.path when run as a script
@@ -207,10 +217,130 @@ def opcodes(model: nn.Module, args: tuple[Any, ...], preset: str) -> tuple[int, 
     return frames[0], sum(counts.values()), counts
 
 
+def _stub_every_code(target: Any, out: Any) -> None:
+    """Make every code variant of ``target``, and each state it keeps, return ``out``."""
+
+    def stub(*args: Any, **kwargs: Any) -> Any:
+        return out
+
+    for code in target.code.variants.values():
+        code.compiled = stub
+    for known in target.kept.known.values():
+        known.compiled = stub
+    target.compiled = stub
+
+
+def flip_cost() -> dict[str, float]:
+    """ns per call: a call after a flip back to a known state, against a steady call."""
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(LlamaForCausalLM(config), lora)
+    ids = torch.randint(1, 64, (4, 12))
+    inner = model.base_model
+    tuner = steady_tuner_of(model, ids, inner)
+    try:
+        target = model.forward._guardtrain_target  # type: ignore[union-attr]
+        with torch.no_grad():
+            out = model(input_ids=ids)
+            _stub_every_code(target, out)
+            state = [True]
+
+            def flip() -> None:
+                if state[0]:
+                    inner.disable_adapter_layers()
+                else:
+                    inner.enable_adapter_layers()
+                state[0] = not state[0]
+
+            def call() -> None:
+                model(input_ids=ids)
+
+            n = 2000
+            swaps_before = target.kept.swaps
+            after_flip = timed_calls(call, n, before=flip)
+            swapped = target.kept.swaps - swaps_before
+            if not state[0]:
+                flip()  # adapters on again for the steady calls
+            steady = timed_calls(call, n)
+            alone = per_call(flip, 200)
+        if swapped < 7 * n:
+            raise AssertionError(f"only {swapped} of {7 * n} calls swapped: {tuner.summary()}")
+        return {
+            "after_flip": after_flip,
+            "flip": alone,
+            "call": steady,
+            "added": after_flip - steady,
+        }
+    finally:
+        tuner.__exit__(None, None, None)
+
+
+def timed_calls(call: Callable[[], Any], n: int, before: Callable[[], Any] | None = None) -> float:
+    """ns per ``call()``, each timed alone (``before()`` runs untimed ahead of each); the
+    median of 7 rounds of ``n``."""
+    clock = time.perf_counter_ns
+    rounds = []
+    gc.collect()
+    for _ in range(7):
+        total = 0
+        for _ in range(n):
+            if before is not None:
+                before()
+            t0 = clock()
+            call()
+            total += clock() - t0
+        rounds.append(total / n)
+    return statistics.median(rounds)
+
+
+def steady_tuner_of(model: nn.Module, ids: torch.Tensor, inner: Any) -> GuardTuner:
+    """``model`` steady under ``aggressive`` with both adapter states known."""
+    tuner = GuardTuner(
+        model,
+        preset="aggressive",
+        compile_kwargs={"backend": "eager"},
+        warmup_steps=2,
+        stable_steps=2,
+        audit_every=None,
+        measure_lookup=False,
+    )
+    tuner.__enter__()
+    with torch.no_grad():
+        for _ in range(10):
+            with tuner.step((ids,)):
+                model(input_ids=ids)
+                inner.disable_adapter_layers()
+                model(input_ids=ids)
+                inner.enable_adapter_layers()
+    assert tuner.phase == "steady", tuner.summary()
+    return tuner
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--opcodes", action="store_true", help="count opcodes per steady call")
+    ap.add_argument("--flip", action="store_true", help="time a flip back to a known state")
     options = ap.parse_args()
+    if options.flip:
+        torch.set_num_threads(1)
+        f = flip_cost()
+        print(f"torch {torch.__version__}; ns per call (median of 7), peft LoRA Llama")
+        print("| call after a flip | steady call | added by the flip | the flip itself |")
+        print("|---|---|---|---|")
+        print(f"| {f['after_flip']:.0f} | {f['call']:.0f} | {f['added']:.0f} | {f['flip']:.0f} |")
+        return
     torch.manual_seed(0)
     rows = [
         ("Linear, 1 tensor + int, float, str", Small, (torch.randn(4, 8), 3, 0.5, "a")),

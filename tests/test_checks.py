@@ -61,7 +61,7 @@ def test_boundary_finds_a_swapped_parameter_and_says_retake_under_fsdp() -> None
     hooked = _swapped(_target(nn.Linear(2, 2)))
     hooked.module.register_forward_hook(lambda *a: None)
     assert Checks().boundary(hooked, "lin", "accelerate's FSDP") == Finding(
-        rebuild="hooks of '<root>' changed"
+        rebuild="a forward hook was added to '<root>'"
     )
 
 

@@ -234,7 +234,7 @@ def test_each_pattern_runs_code_of_its_own_and_keeps_it() -> None:
         assert net[0].weight.grad is not None  # the unfrozen layer gets its gradient
         # A change that makes entries stale rebuilds the code in use and drops the others.
         target.rebuild()
-        assert list(target.code.variants) == [first.pattern]
+        assert list(target.code.variants) == [(first.pattern, False)]
     finally:
         target.uninstall()
 
@@ -249,6 +249,6 @@ def test_at_most_variant_limit_patterns_are_kept() -> None:
             net[i].weight.requires_grad_(False)
             grads.use_variant(target)
         assert len(target.code.variants) == VARIANT_LIMIT
-        assert target.code.pattern in target.code.variants  # the one in use is kept
+        assert (target.code.pattern, False) in target.code.variants  # the one in use is kept
     finally:
         target.uninstall()

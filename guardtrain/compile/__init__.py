@@ -10,20 +10,24 @@ Rooms (each file's first docstring line says what it is for):
   dispatch-mode and outside-state checks;
 * ``repeat``: a repeated argument key recognised without making it again;
 * ``stances``: the two stance values a steady call writes around its compiled call (H41);
-* ``watch``: change tracking between calls (events for modules, parameters and hooks);
+* ``watch``: change tracking between calls (events for modules, parameters and hooks;
+  what flips keep, ``Flips``);
 * ``polled``: what a steady call compares (dictionary versions, list contents, H33);
-* ``grads``: the parameters' ``requires_grad`` pattern, and code per pattern (H42);
+* ``grads``: the parameters' ``requires_grad`` pattern, and code per pattern and
+  autocast state (H42, H44);
 * ``assertions``: what a compile's guards asserted, recorded and re-checked;
 * ``code``: compiled code for one target or a group of identical blocks
   (``TargetCode``, ``structure_key``, ``share_groups``);
 * ``miss``: why a call leaves the stance (``Miss``, ``MissReason``);
+* ``states``: known states: a flip back to one is a swap, not a re-check (H46);
 * ``state``: what the per-call path reads and writes on a target (``TargetState``);
 * ``direct``: turbo's harvested entries (``DirectEntry``);
 * ``harvest``: harvesting and looking up direct entries;
 * ``accept``: whether the entry the stance would run accepts a call (H26, H32);
 * ``forward``: the installed ``forward``, a steady path and a warm path;
 * ``verify``: verify batches (eager beside compiled);
-* ``target``: ``CompiledTarget``, install and uninstall, what the engine asks of it;
+* ``target``: ``CompiledTarget``, install and uninstall, what the engine asks of it,
+  ``hand_over`` to full guards (H51);
 * ``resolve``: target resolution, each target's ``forward``, nested compile regions;
 * ``takeover``: taking over the user's own compiles.
 
@@ -55,7 +59,7 @@ from guardtrain.compile.options import (
 )
 from guardtrain.compile.resolve import resolve_targets
 from guardtrain.compile.takeover import TakeOver, take_over_compiled
-from guardtrain.compile.target import CompiledTarget, steady_now
+from guardtrain.compile.target import CompiledTarget, hand_over, steady_now, take_call_counts
 
 __all__ = [
     "COMPILE_KWARGS",
@@ -77,6 +81,7 @@ __all__ = [
     "grad_change",
     "grad_moved",
     "guard_code",
+    "hand_over",
     "is_stance_miss",
     "live_codes",
     "outside_state_clear",
@@ -85,6 +90,7 @@ __all__ = [
     "share_groups",
     "steady_now",
     "structure_key",
+    "take_call_counts",
     "take_over_compiled",
     "use_grad_variant",
     "user_path",

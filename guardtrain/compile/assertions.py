@@ -21,7 +21,7 @@ import torch
 from guardtrain.compile.call_mode import PLAIN_TYPES
 from guardtrain.compile.fastcheck import entry_checks
 from guardtrain.compile.trampoline import CLOSURE_NAME, SHARED_NAME, TRAMPOLINE_GLOBALS
-from guardtrain.compile.watch import class_dict, owner_dict
+from guardtrain.compile.watch import class_dict, module_dicts, owner_dict
 from guardtrain.filters import SAVED_TENSORS_HOOKS, is_rechecked
 
 __all__ = [
@@ -377,7 +377,9 @@ def polled_objects(
             # aliases, at compile time); what users change lives in their modules.
             if d is not None and d is not scope and d is not TRAMPOLINE_GLOBALS:
                 dicts.append(d)
-    return dicts, lists
+    # Nor a module's own `__dict__` (`m.__dict__['_modules']`): events tell its writes (H46).
+    modules = module_dicts(scope.get(SHARED_NAME, scope.get(CLOSURE_NAME)))
+    return [d for d in dicts if id(d) not in modules], lists
 
 
 _MISSING = object()

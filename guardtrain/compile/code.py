@@ -49,7 +49,8 @@ from guardtrain.filters import SAVED_TENSORS_HOOKS, GuardFilter, is_rechecked, k
 __all__ = ["VARIANT_LIMIT", "CodeMember", "TargetCode", "share_groups", "structure_key"]
 
 VARIANT_LIMIT = 8
-"""``requires_grad`` patterns kept per code family (:meth:`TargetCode.variant`)."""
+"""Variants (``requires_grad`` pattern and autocast state) kept per code family
+(:meth:`TargetCode.variant`)."""
 
 
 class CodeMember(Protocol):
@@ -134,28 +135,33 @@ class TargetCode:
         self.pattern: tuple[bool, ...] | None = None
         """The parameters' ``requires_grad`` (in ``parameters()`` order) that every entry
         of this code was compiled for (H42)."""
-        self.variants: dict[tuple[bool, ...] | None, TargetCode] = {None: self}
-        """This code and its variants, one per ``requires_grad`` pattern, shared by all of
+        self.pattern_bits = b""
+        """:attr:`pattern` as bytes, as a target's ``grad_bits`` hold it."""
+        self.autocast = False
+        """Whether every entry of this code was compiled under autocast (H44)."""
+        self.variants: dict[Any, TargetCode] = {None: self}
+        """This code and its variants, one per ``(pattern, autocast)``, shared by all of
         them (:meth:`variant`)."""
 
     def set_pattern(self, pattern: tuple[bool, ...]) -> None:
-        """The ``requires_grad`` pattern this code (the first of its family) compiles for."""
-        self.variants = {pattern: self}
+        """The ``requires_grad`` pattern this code (the first of its family) compiles for,
+        outside autocast."""
+        self.variants = {(pattern, False): self}
         self.pattern = pattern
+        self.pattern_bits = bytes(pattern)
 
-    def variant(self, pattern: tuple[bool, ...]) -> TargetCode:
-        """The code of this family for the parameters' ``requires_grad`` pattern
-        ``pattern``, made (without members: the caller adds one and calls
-        :meth:`fresh`) when there is none yet (H42).
-
-        Each pattern has code of its own, so the entries of one code never differ in the
-        parameters' ``requires_grad``: the stance, which does not check parameters, and
-        turbo's dispatch serve each pattern from its own entries, and a pattern that
-        comes back (``disable_adapter()``, ``toggle_optimizer``) finds them compiled.
-        At most :data:`VARIANT_LIMIT` patterns are kept; past it the least recently
-        used one without members is dropped.
-        """
-        found = self.variants.pop(pattern, None)
+    def variant(self, pattern: tuple[bool, ...], autocast: bool) -> TargetCode:
+        """The code of this family for ``pattern`` (the parameters' ``requires_grad``)
+        and ``autocast``, made without members (the caller adds one and calls
+        :meth:`fresh`) when there is none yet (H42, H44). The stance checks neither
+        parameters nor, reliably, autocast (an entry's diff guards hold the global state
+        of the latest compile): each variant's entries differ in neither, so each state
+        is the stance's and turbo's choice in its own code, and a state that comes back
+        (``disable_adapter()``, ``toggle_optimizer``) finds its entries compiled. At most
+        :data:`VARIANT_LIMIT` are kept; past it the least recently used one without
+        members is dropped."""
+        key = (pattern, autocast)
+        found = self.variants.pop(key, None)
         if found is None:
             found = TargetCode(
                 self.func,
@@ -168,7 +174,9 @@ class TargetCode:
             found.group_key = self.group_key
             found.variants = self.variants
             found.pattern = pattern
-        self.variants[pattern] = found  # the most recently used last
+            found.pattern_bits = bytes(pattern)
+            found.autocast = autocast
+        self.variants[key] = found  # the most recently used last
         while len(self.variants) > VARIANT_LIMIT:
             idle = next((k for k, v in self.variants.items() if not v.members), None)
             if idle is None:
@@ -198,13 +206,13 @@ class TargetCode:
         """Compile a fresh code object for this code and each variant with members (a
         change that makes entries stale holds for every ``requires_grad`` pattern); the
         variants without members are dropped."""
-        for pattern, code in list(self.variants.items()):
+        for key, code in list(self.variants.items()):
             if code is self:
                 continue
             if code.members:
                 code.fresh()
             else:
-                del self.variants[pattern]
+                del self.variants[key]
         self.fresh()
 
     def fresh(self) -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Callable
 
 import torch
 
 import guardtrain.compile.call_mode as _call_mode
+from guardtrain.compile import states as _states
 from guardtrain.compile.accept import (
     ADMITTED,
     FULL_GUARDS,
@@ -38,7 +40,8 @@ from guardtrain.compile.call_mode import (
     mode_of,
     top_saved_hooks,
 )
-from guardtrain.compile.grads import moved as grad_moved
+from guardtrain.compile.grads import pattern as grad_pattern
+from guardtrain.compile.grads import use_variant
 from guardtrain.compile.harvest import direct_entry
 from guardtrain.compile.miss import Miss, MissReason
 from guardtrain.compile.options import is_stance_miss
@@ -48,6 +51,8 @@ from guardtrain.compile.state import TargetState
 from guardtrain.compile.trampoline import compiling_frame
 
 __all__ = [
+    "autocast_switched",
+    "plain_forward_for",
     "check_changed",
     "first_call_of_batch",
     "fit",
@@ -58,6 +63,7 @@ __all__ = [
 ]
 
 _eval_frame = torch._dynamo.eval_frame
+_clock = time.perf_counter_ns
 _is_compiling: Callable[[], bool] = torch.compiler.is_compiling
 _FREEVAR_ERROR = "Freevar has no source"
 _NOT_RUN = object()
@@ -93,6 +99,24 @@ def wrapper_for(target: TargetState, func: Callable[..., Any]) -> Callable[..., 
         elif target.code.drops_guards and target.versions.moved():
             check_changed(target, args, kwargs, written=True)
         return guarded(target, args, kwargs)
+
+    forward.__wrapped__ = target.bound  # type: ignore[attr-defined]
+    forward._guardtrain_target = target  # type: ignore[attr-defined]
+    return forward
+
+
+def plain_forward_for(target: TargetState, func: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``forward`` of a target handed over to full guards (H51): its compiled code, as
+    ``torch.compile`` would run it, with none of the per-call checks (a call under a
+    dispatch mode runs eagerly, as :func:`guarded` runs it, H18)."""
+
+    @functools.wraps(func)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if _call_mode.dispatch_mode_active():
+            return target.bound(*args, **kwargs)
+        target.calls += 1
+        target.code.current = target
+        return target.compiled(*args, **kwargs)
 
     forward.__wrapped__ = target.bound  # type: ignore[attr-defined]
     forward._guardtrain_target = target  # type: ignore[attr-defined]
@@ -160,6 +184,13 @@ def _verdict(
     """How a steady call with another key or mode than the last admitted call runs
     (:func:`~guardtrain.compile.accept.admit`'s verdicts); on :data:`MISSED` the call has
     left the stance."""
+    if mode[3] is not target.code.autocast and not target.retry_eagerly:
+        # Autocast flipped: the code of the other state, kept or checked (H44, H46).
+        autocast_switched(target, args, kwargs)
+        if target.under_stance and target.versions.moved():
+            check_changed(target, args, kwargs, written=True)
+        if not target.under_stance:
+            return MISSED
     code = target.code
     target.key_of = call_key  # another key: no fast recognition until it repeats
     if mode in code.stance_modes:
@@ -271,6 +302,8 @@ def guarded(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         # Dynamo would skip the frame and mark our code skipped for good
         # (ModelSummary's FLOP count, H18): run this call eagerly instead.
         return target.bound(*args, **kwargs)
+    if any_autocast() is not target.code.autocast and not target.retry_eagerly:
+        autocast_switched(target, args, kwargs)  # the code of this autocast state (H44)
     target.calls += 1
     code = target.code
     code.current = target
@@ -315,44 +348,94 @@ def check_changed(
     target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any], written: bool = False
 ) -> None:
     """Before a call: something this target reads may have changed (an event, or with
-    ``written`` a namespace whose version moved). The engine checks and acts (rebuilds
-    the target or leaves the stance); then, still under the stance, the entry the stance
-    would run must accept this call with its full guards, or the call leaves the stance:
-    the recorded assertions do not say which entry serves the call's grad mode or
-    autocast (an eval entry compiled under ``no_grad`` matches a submodule switched to
-    ``eval()`` in training). Then the versions and the watched modules start again."""
+    ``written`` a namespace whose version moved), or the call's autocast is not its code's.
+
+    Only flips seen (``requires_grad``, ``training``, autocast) and a state this target
+    ran in before under the stance: what it learnt there is put back, and nothing else
+    is checked (:mod:`guardtrain.compile.states`, H46). Otherwise the engine checks and
+    acts (rebuilds the target or leaves the stance); then, still under the stance, the
+    entry the stance would run must accept this call with its full guards, or the call
+    leaves the stance: the recorded assertions do not say which entry serves the call's
+    grad mode or autocast (an eval entry compiled under ``no_grad`` matches a submodule
+    switched to ``eval()`` in training). Then the versions and the watched modules start
+    again."""
+    autocast = any_autocast()
+    flips = target.flips.only and not written
     if written:
         reason, note = MissReason.WRITTEN, MissReason.WRITTEN.value
     else:
         reason, note = MissReason.CHANGED, target.change_note or MissReason.CHANGED.value
     target.changed = False
     target.change_note = None
+    if not flips:
+        target.kept.stale()  # the check below sees this code only: what was kept may be stale
+    elif target.under_stance and not target.retry_eagerly and target.unverified is None:
+        if _states.swap(target, _states.state_key(target, autocast)):
+            return
+        _states.leave(target)  # a state not known (yet): known once checked
+    started = _clock()
+    _check(target, args, kwargs, Miss(reason, note), autocast)
+    target.versions.reset()
+    if target.installed:
+        target.watch_modules()
+    if target.under_stance:
+        target.kept.state = _states.state_key(target, autocast)
+    target.check_ns += _clock() - started  # what checks cost against what they save
+
+
+def _check(
+    target: TargetState,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    changed: Miss,
+    autocast: bool,
+) -> None:
+    """The general check of :func:`check_changed`: the code of the call's autocast state,
+    the engine's check, and under the stance the entry the stance would run."""
     code = target.code
+    if autocast is not code.autocast and not target.retry_eagerly:
+        use_variant(target, autocast)  # each autocast state has code of its own (H44)
     if target.on_change is not None:
-        target.on_change(target, note)
+        target.on_change(target, changed.text)
     if (
         target.under_stance
         and not target.retry_eagerly
         and stance_choice(target, args, kwargs) is None
     ):
         if target.code is not code:  # the code of a new requires_grad pattern (H42)
-            miss = Miss(MissReason.NEW_PATTERN, f"{note}: {MissReason.NEW_PATTERN.value}")
+            text = f"{changed.text}: {MissReason.NEW_PATTERN.value}"
+            miss = Miss(MissReason.NEW_PATTERN, text)
         else:  # in a batch with an unseen signature (H26) that is what the call is new in
-            miss = _UNACCEPTED if target.checking else Miss(reason, note)
+            miss = _UNACCEPTED if target.checking else changed
         target.on_miss(target, miss)
-    target.versions.reset()
-    if target.installed:
-        target.watch_modules()
+
+
+def autocast_switched(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The call's autocast is not the one its code compiled for: a flip, checked as one
+    (each autocast state has code of its own, H44)."""
+    if not target.changed:
+        target.changed = True
+        target.flips.only = True
+        target.change_note = f"autocast switched {'on' if any_autocast() else 'off'}"
+    check_changed(target, args, kwargs)
 
 
 def first_call_of_batch(target: TargetState) -> None:
     """The first call of a batch: parameters whose ``requires_grad`` moved where no event
     saw it (``torch.Tensor.requires_grad_(p)``, FSDP2's ``DTensor`` parameters) mark the
-    target, which then switches to the code of the new pattern as after an event (H42).
-    One pass in C over the parameters, about 60 ns each, once per batch."""
+    target, which then switches to the code of the new pattern as after an event (H42);
+    the bits the events keep take the flags as they are (H46). One pass in C over the
+    parameters, about 100 ns each, once per batch."""
     target.first_call = False
-    if not target.changed and grad_moved(target):
+    now = grad_pattern(target.params)
+    bits = bytes(now)
+    if bits != target.flips.grad_bits:  # a flip that no event saw
+        target.flips.grad_bits = bytearray(bits)
+    elif now == target.code.pattern:
+        return
+    if not target.changed:
         target.changed = True
+        target.flips.only = True
         target.change_note = "requires_grad of a parameter changed (seen at the batch's first call)"
 
 

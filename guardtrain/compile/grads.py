@@ -65,18 +65,21 @@ def describe(target: Any) -> str:
     )
 
 
-def use_variant(target: Any) -> bool:
+def use_variant(target: Any, autocast: bool | None = None) -> bool:
     """Make ``target`` run the code compiled for its parameters' ``requires_grad`` as they
-    are now (made, without entries, for a new pattern); True when it switched.
+    are now, and for ``autocast`` (None: the code's own; made, without entries, for a new
+    variant); True when it switched.
 
     The target keeps its fingerprint (which leaves a parameter's ``requires_grad`` out)
     and forgets what it harvested or accepted: those belong to the other code's entries.
     """
     now = pattern(target.params)
     old = target.code
-    if now == old.pattern:
+    if autocast is None:
+        autocast = old.autocast
+    if now == old.pattern and autocast is old.autocast:
         return False
-    new = old.variant(now)
+    new = old.variant(now, autocast)
     old.members.remove(target)
     if old.current is target:
         old.current = None

@@ -35,9 +35,9 @@ class MissReason(enum.Enum):
     """The target left its shared code for code of its own (H24); the text says why."""
     SAVED_HOOKS = "saved-tensor hooks that Dynamo inlines are active; compiling with their guard"
     """Saved-tensor hooks that need their guard (H31)."""
-    NEW_PATTERN = "compiling for the parameters' new requires_grad"
-    """The parameters' ``requires_grad`` took a pattern whose code has no entry for the
-    call yet (H42); the text says what changed."""
+    NEW_PATTERN = "compiling the code of the new requires_grad pattern or autocast state"
+    """The parameters' ``requires_grad`` took a pattern, or the call's autocast a state,
+    whose code has no entry for the call yet (H42, H44); the text says what changed."""
 
 
 @dataclass(frozen=True, slots=True)

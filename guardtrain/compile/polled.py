@@ -90,6 +90,13 @@ class Polled:
             (items, list(items), all(type(v) in _PLAIN for v in items)) for items in self.lists
         )
 
+    def successor(self) -> Polled:
+        """A new :class:`Polled` over the same objects, not yet taken: it says moved until
+        its :meth:`reset` (this one is kept as it is, :mod:`guardtrain.compile.states`)."""
+        new = Polled()
+        new.dicts, new.lists, new.total = self.dicts, self.lists, -1
+        return new
+
     def moved(self) -> bool:
         """Whether a dictionary was written or a list changed since :meth:`reset`."""
         unchanged = self._unchanged

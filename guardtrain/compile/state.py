@@ -18,6 +18,7 @@ from guardtrain.compile.code import TargetCode
 from guardtrain.compile.direct import DirectEntry
 from guardtrain.compile.miss import Miss
 from guardtrain.compile.polled import Polled
+from guardtrain.compile.states import Flips, Kept
 
 __all__ = ["TargetState"]
 
@@ -74,6 +75,11 @@ class TargetState(Protocol):
     H34)."""
     change_note: str | None
     """What the first event since the last check was."""
+    flips: Flips
+    """What the flip events keep (``requires_grad``, ``training``, plain attributes): a
+    known state may be put back (:mod:`~guardtrain.compile.states`, H46)."""
+    kept: Kept
+    """The known states, and what makes them stale."""
     first_call: bool
     """Set before each batch: the next call is the batch's first, which checks the
     parameters' ``requires_grad`` that no event sees (H42)."""
@@ -114,6 +120,11 @@ class TargetState(Protocol):
     """During a verify batch, what :attr:`compiled` was before it (else None)."""
     mismatch: str | None
     """The first difference from eager that the current verify batch saw."""
+    handed_over: str | None
+    """Why this target keeps full guards for the rest of the run (H51), or None."""
+    check_ns: int
+    """Nanoseconds spent in the checks before calls after a change that was not a flip back
+    to a known state: what the engine weighs against the guard time saved."""
 
     @property
     def installed(self) -> bool:
@@ -142,6 +153,9 @@ class TargetState(Protocol):
 
     def watch_modules(self) -> None:
         """Events of every module in the target mark it."""
+
+    def forget_dispatch(self) -> None:
+        """Empty the dispatch table and the accepted argument keys (entries may change)."""
 
     def code_rebuilt(self) -> None:
         """The code was rebuilt: forget what was learnt about its entries."""

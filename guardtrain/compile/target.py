@@ -28,13 +28,14 @@ import torch
 from torch import nn
 
 import guardtrain.compile.grads as _grads
+import guardtrain.compile.states as _states
 import guardtrain.compile.verify as _verify
 import guardtrain.compile.watch as _watch
 from guardtrain.compile.assertions import Assertion, check, polled_objects
 from guardtrain.compile.call_mode import CallMode, call_key
 from guardtrain.compile.code import TargetCode, structure_key
 from guardtrain.compile.direct import DirectEntry
-from guardtrain.compile.forward import wrapper_for
+from guardtrain.compile.forward import plain_forward_for, wrapper_for
 from guardtrain.compile.miss import Miss
 from guardtrain.compile.polled import Polled
 from guardtrain.compile.resolve import forward_function, nested_compile_region
@@ -47,6 +48,7 @@ __all__ = [
     "ChangeHook",
     "CompileHook",
     "CompiledTarget",
+    "hand_over",
     "MissHook",
     "SwitchOffHook",
     "steady_now",
@@ -118,6 +120,7 @@ class CompiledTarget:
         self.retry_eagerly = False
         self.changed = False
         self.change_note: str | None = None
+        self.flips, self.kept = _states.Flips(), _states.Kept()  # flips, known states (H46)
         self.first_call = False
         self.versions = Polled()
         self.full_guard_calls = 0
@@ -125,6 +128,8 @@ class CompiledTarget:
         self.calls = 0
         self.unverified: Callable[..., Any] | None = None
         self.mismatch: str | None = None
+        self.handed_over: str | None = None  # why it has full guards for the run (H51)
+        self.check_ns = 0  # time in the checks before calls after a change
         # What the engine's checks read.
         self.last_failed: Assertion | None = None  # named by the last check_assertions
         self.reference: Any = None  # the module's fingerprint when its entries compiled
@@ -214,10 +219,12 @@ class CompiledTarget:
                 "compiled before."
             )
         self._previous = {key: module.__dict__.get(key, _MISSING) for key in _INSTALLED}
-        module.__dict__["forward"] = self._wrapper
         module.__dict__["__getstate__"] = _getstate_without(module, dict(self._previous))
-        self.changed = False
-        self.change_note = None
+        self.changed, self.change_note = False, None
+        if self.handed_over is not None:  # full guards, no checks (H51)
+            module.__dict__["forward"] = plain_forward_for(self, self._func)
+            return
+        module.__dict__["forward"] = self._wrapper
         self.watch_modules()
 
     def watch_modules(self) -> None:
@@ -262,6 +269,7 @@ class CompiledTarget:
 
     def code_rebuilt(self) -> None:
         """The code was rebuilt: nothing harvested, accepted, called or fingerprinted."""
+        self.kept.stale()
         self.forget_dispatch()
         self.calls = 0
         self.reference = None
@@ -285,7 +293,10 @@ class CompiledTarget:
         real calls, when the steady state is next on)."""
         if stances is not None:
             self.plain_stance, self.unsafe_stance = stances.plain, stances.unsafe
-        self.under_stance = on
+        self.under_stance = on = on and self.handed_over is None  # full guards: never (H51)
+        self.kept.stale()  # after a time outside the stance, what was kept may be stale
+        if on and not self.changed:  # the state the calls learn in from now on (H46)
+            self.kept.state = _states.state_key(self, self.code.autocast)
         self.direct = (
             on and self.direct_allowed and self.unverified is None and not self.code.graph_breaks
         )
@@ -321,12 +332,6 @@ class CompiledTarget:
         """End :meth:`start_checking`; returns the calls checked and accepted since."""
         checked, self.checks, self.checking = self.checks, 0, False
         return checked
-
-    def take_call_counts(self) -> tuple[int, int]:
-        """``(direct calls, full-guard calls)`` since the last time, counted afresh from 0."""
-        counts = (self.direct_calls, self.full_guard_calls)
-        self.direct_calls = self.full_guard_calls = 0
-        return counts
 
     def take_reference(self) -> None:
         """Fingerprint the module now: later changes are measured against it."""
@@ -385,3 +390,27 @@ def _getstate_without(module: nn.Module, previous: dict[str, Any]) -> Callable[[
         return state
 
     return __getstate__
+
+
+def take_call_counts(target: CompiledTarget) -> tuple[int, int, int, int]:
+    """``(direct calls, full-guard calls, swaps, requires_grad swaps)`` of ``target`` since
+    the last time, counted afresh from 0."""
+    kept = target.kept
+    counts = (target.direct_calls, target.full_guard_calls, kept.swaps, kept.grad_swaps)
+    target.direct_calls = target.full_guard_calls = kept.swaps = kept.grad_swaps = 0
+    return counts
+
+
+def hand_over(target: CompiledTarget, why: str) -> None:
+    """Full guards for ``target`` from now on, as ``torch.compile`` has them: every guard
+    kept and no ``install_free_tensors`` from the next rebuild on, never the stance, no
+    change tracking, and a ``forward`` that calls the compiled code with none of
+    guardtrain's per-call checks; Dynamo's recompile limit applies (H51). ``why`` says
+    what made it so. The caller rebuilds it where its entries dropped guards."""
+    target.handed_over = why
+    target.code.keep_every_guard()
+    target.set_under_stance(False)
+    target.kept = _states.Kept()
+    _watch.unwatch(target)
+    if target.installed:
+        target.module.__dict__["forward"] = plain_forward_for(target, target._func)

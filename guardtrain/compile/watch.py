@@ -22,6 +22,14 @@ state is tracked by events, the way ``torch/_dynamo/mutation_guard.py`` does:
 * plain objects, classes, global namespaces and lists that guards read are few and
   fixed per compile: they are polled per call (:mod:`guardtrain.compile.polled`).
 
+A ``requires_grad`` flip, a ``training`` assignment and a plain value assigned over a
+plain value (an attribute that guards read) are *flips*: besides marking, the event writes
+the new value into the target's :class:`~guardtrain.compile.states.Flips` (one byte per
+parameter or module, in ``parameters()`` and ``modules()`` order, or the attribute's
+value), and a target marked only by flips keeps ``Flips.only``.
+Such a target may go back to a state it ran in before without a re-check
+(:mod:`guardtrain.compile.states`, H46).
+
 A marked target checks itself before its next call; nothing else is done per
 call. The wrappers are installed when the first target is watched and removed
 when the last one goes, leaving every patched class and function as it was.
@@ -44,18 +52,30 @@ import torch
 from torch import nn
 from torch.utils import hooks as _hooks
 
-__all__ = ["Watched", "class_dict", "owner_dict", "patched", "unwatch", "watch", "watched"]
+__all__ = [
+    "Watched",
+    "class_dict",
+    "module_dicts",
+    "owner_dict",
+    "patched",
+    "unwatch",
+    "watch",
+    "watched",
+]
 
 _is_compiling: Callable[[], bool] = torch.compiler.is_compiling
-_module_setattr = nn.Module.__setattr__
+_module_setattr: Callable[[nn.Module, str, Any], None] = nn.Module.__setattr__
 _module_delattr = nn.Module.__delattr__
 
 
 class Watched(Protocol):
-    """What a watched target exposes: a flag, and the first change seen since it was cleared."""
+    """What a watched target exposes: a flag, the first change seen since it was cleared,
+    and what the flips keep."""
 
     changed: bool
     change_note: str | None
+    flips: Any
+    """What the flips keep (:class:`~guardtrain.compile.states.Flips`)."""
 
 
 # id(module) -> targets that contain it; id(hook dict) -> targets whose module owns it;
@@ -100,11 +120,14 @@ kept or dropped): assigning another attribute of a module (Lightning's
 tensor or a module."""
 
 
-def _mark(targets: Iterable[Watched], note: str) -> None:
+def _mark(targets: Iterable[Watched], note: str, flip: bool = False) -> None:
     for target in targets:
         if not target.changed:
             target.changed = True
             target.change_note = note
+            target.flips.only = flip
+        elif not flip:
+            target.flips.only = False
 
 
 def _current(module: nn.Module, name: str) -> Any:
@@ -133,11 +156,41 @@ def _setattr(self: nn.Module, name: str, value: Any) -> None:
         targets = _modules.get(id(self))
         if targets is not None:
             old = _current(self, name)
-            if not _same(old, value) and (
-                name in read_names or isinstance(value, _STATEFUL) or isinstance(old, _STATEFUL)
-            ):
+            if _same(old, value):
+                pass
+            elif name == "training" and type(value) is bool and type(old) is bool:
+                _module_setattr(self, name, value)
+                _trained(self, targets, value)  # a flip: the bits follow the flag
+                return
+            elif name in read_names:
+                if type(old) in _PLAIN and type(value) in _PLAIN:
+                    _module_setattr(self, name, value)
+                    _assigned(self, targets, name, value)  # a flip: its value is kept
+                    return
+                _mark(targets, f"{type(self).__name__}.{name} was assigned")
+            elif isinstance(value, _STATEFUL) or isinstance(old, _STATEFUL):
                 _mark(targets, f"{type(self).__name__}.{name} was assigned")
     _module_setattr(self, name, value)
+
+
+def _assigned(module: nn.Module, targets: list[Watched], name: str, value: Any) -> None:
+    """A plain attribute that guards read was assigned another plain value (peft's
+    ``_disable_adapters``): a flip, whose value each target keeps."""
+    slot, kept = (id(module), name), (type(value), value)
+    for target in targets:
+        target.flips.attr_values[slot] = kept
+    _mark(targets, f"{type(module).__name__}.{name} was assigned", flip=True)
+
+
+def _trained(module: nn.Module, targets: list[Watched], value: bool) -> None:
+    """``module.training`` was set to ``value``: its byte in each target's bits follows;
+    targets whose guards read ``training`` are marked (a flip)."""
+    key = id(module)
+    for target in targets:
+        flips = target.flips
+        flips.train_bits[flips.module_slots[key]] = value
+    if "training" in read_names:
+        _mark(targets, f"{type(module).__name__}.training was set to {value}", flip=True)
 
 
 # The tensor's own descriptor (a C getset; typed as a bool by torch's stubs).
@@ -145,24 +198,42 @@ _requires_grad: Any = torch._C.TensorBase.__dict__["requires_grad"]
 _get_requires_grad: Callable[[torch.Tensor], bool] = _requires_grad.__get__
 _set_requires_grad: Callable[[torch.Tensor, bool], None] = _requires_grad.__set__
 _tensor_requires_grad_ = torch.Tensor.requires_grad_
+_no_torch_function = torch._C.DisableTorchFunction
 
 
-def _flip(param: torch.Tensor, value: Any) -> None:
-    """Mark the targets holding ``param`` when its ``requires_grad`` is about to change."""
-    if not _is_compiling():
-        targets = _params.get(id(param))
-        if targets is not None and _get_requires_grad(param) is not bool(value):
-            _mark(targets, f"requires_grad of a parameter was set to {bool(value)}")
+def _flipping(param: torch.Tensor, value: Any) -> list[Watched] | None:
+    """The targets holding ``param`` when its ``requires_grad`` is about to change."""
+    if _is_compiling():
+        return None
+    targets = _params.get(id(param))
+    if targets is not None and _get_requires_grad(param) is not bool(value):
+        return targets
+    return None
+
+
+def _flipped(param: torch.Tensor, targets: list[Watched], value: bool) -> None:
+    """``param``'s ``requires_grad`` is now ``value``: mark its targets (a flip), whose bits
+    follow. Called after the flag was set, so that the bits never say what it is not."""
+    key = id(param)
+    for target in targets:
+        flips = target.flips
+        flips.grad_bits[flips.param_slots[key]] = value
+    _mark(targets, f"requires_grad of a parameter was set to {value}", flip=True)
 
 
 def _parameter_requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
-    _flip(self, requires_grad)
-    return _tensor_requires_grad_(self, requires_grad)
+    targets = _flipping(self, requires_grad)
+    out = _tensor_requires_grad_(self, requires_grad)
+    if targets is not None:
+        _flipped(self, targets, bool(requires_grad))
+    return out
 
 
 def _set_parameter_requires_grad(self: torch.Tensor, value: bool) -> None:
-    _flip(self, value)
+    targets = _flipping(self, value)
     _set_requires_grad(self, value)
+    if targets is not None:
+        _flipped(self, targets, bool(value))
 
 
 _parameter_requires_grad_.__doc__ = _tensor_requires_grad_.__doc__
@@ -313,12 +384,33 @@ def watched() -> list[Watched]:
 
 def watch(target: Watched, modules: Iterable[nn.Module]) -> None:
     """Mark ``target`` whenever one of ``modules`` or one of their parameters changes
-    (replacing an earlier watch)."""
+    (replacing an earlier watch), and take their flags into its bits."""
     global _patches
     _forget(target)  # the wrappers stay: removing and installing them writes namespaces
+    with _no_torch_function():  # the flags as they are, unseen by a torch-function mode
+        module_ids, dict_ids, param_ids, trainings, grads = _register(target, modules)
+    # The order of `modules()` and `parameters()` (each parameter once, at its first module).
+    flips = target.flips
+    flips.module_slots = {key: i for i, key in enumerate(module_ids)}
+    flips.param_slots = {key: i for i, key in enumerate(param_ids)}
+    flips.train_bits = bytearray(trainings)
+    flips.grad_bits = bytearray(grads)
+    _targets[id(target)] = (target, module_ids, dict_ids, param_ids)
+    if _patches is None:
+        _patches = _Patches()
+        _patches.install()
+
+
+def _register(
+    target: Watched, modules: Iterable[nn.Module]
+) -> tuple[list[int], list[int], list[int], list[bool], list[bool]]:
+    """Register ``target`` for each of ``modules``, their hook dictionaries and parameters:
+    the ids of each, and the modules' ``training`` and the parameters' ``requires_grad``."""
     module_ids: list[int] = []
     dict_ids: list[int] = []
     param_ids: list[int] = []
+    trainings: list[bool] = []
+    grads: list[bool] = []
     seen: set[int] = set()
     for module in modules:
         key = id(module)
@@ -326,6 +418,7 @@ def watch(target: Watched, modules: Iterable[nn.Module]) -> None:
             continue
         seen.add(key)
         module_ids.append(key)
+        trainings.append(bool(module.__dict__.get("training", True)))
         _modules.setdefault(key, []).append(target)
         for name in _MODULE_HOOK_DICTS:
             d = module.__dict__.get(name)
@@ -336,11 +429,9 @@ def watch(target: Watched, modules: Iterable[nn.Module]) -> None:
             if param is not None and id(param) not in seen:
                 seen.add(id(param))
                 param_ids.append(id(param))
+                grads.append(_get_requires_grad(param))
                 _params.setdefault(id(param), []).append(target)
-    _targets[id(target)] = (target, module_ids, dict_ids, param_ids)
-    if _patches is None:
-        _patches = _Patches()
-        _patches.install()
+    return module_ids, dict_ids, param_ids, trainings, grads
 
 
 def unwatch(target: Watched) -> None:
@@ -378,6 +469,13 @@ def owner_dict(obj: Any) -> dict[Any, Any] | None:
         return obj
     d = getattr(obj, "__dict__", None)
     return d if type(d) is dict else None
+
+
+def module_dicts(root: Any) -> set[int]:
+    """The ids of the ``__dict__`` of every module in ``root`` (a module, or a method bound
+    to one): writes there come through events, not versions."""
+    root = getattr(root, "__self__", root)
+    return {id(m.__dict__) for m in root.modules()} if isinstance(root, nn.Module) else set()
 
 
 def class_dict(cls: type) -> dict[Any, Any] | None:

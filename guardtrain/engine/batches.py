@@ -98,6 +98,8 @@ class BatchChecks:
         r, repairs = self.run, self.repairs
         rebuild: list[tuple[CompiledTarget, str]] = []
         for target in r.targets.installed:
+            if target.handed_over is not None:
+                continue  # full guards, as plain compile (H51)
             if grad_moved(target):  # every rank at once, also with paired calls (H42)
                 change = f"{repairs.label(target)}: {grad_change(target)}"
                 repairs.caught(Change.REQUIRES_GRAD, change)
@@ -217,7 +219,11 @@ class BatchChecks:
     def blocked(self) -> str | None:
         """Why the ready targets may not use the stance (:func:`decisions.blocker`), or None."""
         limit = getattr(torch._dynamo.config, "recompile_limit", 8)
-        return decisions.blocker(self.run.targets.installed, limit, self.run.host.root_label)
+        installed = self.run.targets.installed
+        kept = [t for t in installed if t.handed_over is None]  # full guards, never the stance
+        if installed and not kept:
+            return "every target runs with full guards for the rest of the run (H51)"
+        return decisions.blocker(kept, limit, self.run.host.root_label)
 
     def _measures_lookup(self) -> bool:
         """Whether entering the training loop's stance starts the lookup windows."""

@@ -49,7 +49,7 @@ __all__ = ["GuardEngine"]
 
 # The engine's whole contract with its adapters (every entry point and all it shows
 # them) stays in one class; the work is done by the parts it holds.
-# Lines 347: the contract is its seam.
+# Lines 349: the contract is its seam.
 class GuardEngine:
     """One adapter's runs: compiled targets, phases, checks, the stance and the report.
 
@@ -356,7 +356,7 @@ class GuardEngine:
             if steady is not state.stance_on or check is not None:
                 self._repairs.steady_for_batch(steady, check)
         state.stance_at_start = state.stance_on
-        state.compiles_at_batch = r.monitor.compiles
+        state.compiles_at_batch = r.monitor.compiles - state.handed_compiles
 
     def batch_end(self, loop: str) -> None:
         """Count the batch's compiles; decide entry at decision points."""
@@ -365,7 +365,7 @@ class GuardEngine:
         if not state.active:
             return
         m, ch = r.machine, r.checks
-        compiled = r.monitor.compiles != state.compiles_at_batch
+        compiled = r.monitor.compiles - state.handed_compiles != state.compiles_at_batch
         # What BatchChecks.end_checks ends: called only when one of them runs.
         if ch.checking is not None or ch.audit_batch or ch.verify_batch or r.lookup.window:
             self._batches.end_checks(loop, compiled)
@@ -375,6 +375,8 @@ class GuardEngine:
         if loop == TRAIN:
             if m.collective or m.loops[loop].phase != STEADY:  # steady alone: no decision
                 self._batches.decision_point()
+            if r.lookup.results:  # the saving is measured: do the checks cost more? (H51)
+                self._repairs.weigh_checks(m.loops[loop].phase == STEADY)
             if state.logged_changes != r.changes():
                 self._log_changes()
 

@@ -9,10 +9,11 @@ The checks (:mod:`~guardtrain.engine.checks`) say what they found; this acts on 
 
 from __future__ import annotations
 
-from guardtrain.compile import CompiledTarget, Miss, use_grad_variant
+from guardtrain.compile import CompiledTarget, Miss, hand_over, use_grad_variant
 from guardtrain.engine import breaks as _breaks
 from guardtrain.engine import checks
 from guardtrain.engine.changes import Action, Change
+from guardtrain.engine.handover import CHECK_WINDOW, checks_over
 from guardtrain.engine.run import TRAIN, Run
 from guardtrain.engine.targets import breaks_of, label, regions
 
@@ -36,6 +37,9 @@ class Repairs:
 
     def on_compile(self, target: CompiledTarget, reason: str | None) -> None:
         self.run.monitor.record(self.run.train_batches(), target.name, reason)
+        if target.handed_over is not None:
+            # Dynamo's own recompile, as under plain compile: no phase hears of it (H51).
+            self.run.state.handed_compiles += 1
 
     def on_switch_off(self, target: CompiledTarget, why: str) -> None:
         r = self.run
@@ -140,6 +144,16 @@ class Repairs:
         self.rearm(None, f"{self.label(target)}: {reason}; recompiling")
 
     def rebuild_or_leave_shared(self, target: CompiledTarget, change: str) -> None:
+        """A change made ``target``'s entries stale: rebuild it (or let it leave its shared
+        code), unless it was rebuilt too often: then it is handed over (H51)."""
+        r = self.run
+        # The change as the user knows it: a fingerprint names the target's own module `<root>`.
+        named = change.replace("'<root>'", repr(self.label(target)))
+        capped = r.ledger.rebuilt(target, r.train_batches(), named)
+        if capped is not None:
+            repeated = r.ledger.repeated(target)
+            self.hand_over(target, f"{capped}, most often because {repeated}", repeated)
+            return
         if target.code.shared and len(target.code.members) > 1 and target.drifted():
             # Only this member changed its structure: it leaves the shared code,
             # whose entries stay right for the others (H24).
@@ -147,6 +161,57 @@ class Repairs:
             self.rearm(None, f"{self.label(target)}: {change}; compiling it alone")
         else:
             self.rebuild(target, change)
+
+    def hand_over(self, target: CompiledTarget, why: str, change: str | None = None) -> None:
+        """Full guards for ``target`` for the rest of the run, as ``torch.compile`` runs it;
+        Dynamo's recompile limit applies (H51). One warning names it and why."""
+        r = self.run
+        name = self.label(target)
+        stale = target.code.drops_guards or target.code.install_free_tensors
+        hand_over(target, why)
+        r.ledger.handed_over.append({"target": name, "why": why, "change": change})
+        r.host.warn(
+            f"guardtrain: {name!r} runs with full guards for the rest of the run, as "
+            f"torch.compile runs it ({why}); Dynamo's recompile limit applies to it (H51)."
+        )
+        if stale:  # entries compiled without every guard, or with free tensors: afresh
+            self.rebuild(target, f"handed over to full guards ({why})")
+        else:  # its entries kept every guard: Dynamo's own counts go on
+            self.rearm(None, f"{name}: handed over to full guards ({why})")
+
+    def weigh_checks(self, steady: bool) -> None:
+        """After a training batch: every :data:`~guardtrain.engine.handover.CHECK_WINDOW`
+        steady batches, hand over the targets whose checks before calls cost more than the
+        guard time the steady state saves per step (the lookup windows' ``full_guards``
+        minus ``steady``): never slower than plain compile. Not with paired calls (a
+        hand-over on one rank alone would break the pairing of guard collectives)."""
+        r = self.run
+        ledger = r.ledger
+        if not steady or r.paired():
+            ledger.window_start = None
+            return
+        batch = r.train_batches()
+        installed = [t for t in r.targets.installed if t.handed_over is None]
+        if ledger.window_start is None:
+            ledger.window_start = batch
+            ledger.check_ns = {id(t): t.check_ns for t in installed}
+            return
+        steps = batch - ledger.window_start
+        if steps < CHECK_WINDOW:
+            return
+        ledger.window_start = None
+        saving = r.lookup.lookup["full_guards"] - r.lookup.lookup["steady"]
+        by_name = {self.label(t): t for t in installed}
+        costs = {
+            name: (t.check_ns - ledger.check_ns.get(id(t), t.check_ns)) / 1e3 / steps
+            for name, t in by_name.items()
+        }
+        for name in checks_over(costs, saving):
+            self.hand_over(
+                by_name[name],
+                f"its checks before calls cost {costs[name]:.0f} µs per training step, more "
+                f"than the {max(saving, 0.0):.0f} µs per step of guard time the stance saves",
+            )
 
     # -- graph breaks --------------------------------------------------------------------------
 
@@ -160,6 +225,8 @@ class Repairs:
         targets = self.run.targets
         found = targets.break_log.new()
         for target in list(targets.installed):
+            if target.handed_over is not None:
+                continue  # full guards, as plain compile: its breaks are Dynamo's (H51)
             mine = breaks_of(target, found)
             if mine is None:
                 continue

@@ -16,6 +16,7 @@ from guardtrain.engine import levers as _levers
 from guardtrain.engine.changes import ChangeLog
 from guardtrain.engine.checks import Checks
 from guardtrain.engine.config import GuardConfig
+from guardtrain.engine.handover import Ledger
 from guardtrain.engine.host import Host
 from guardtrain.engine.levers import Levers
 from guardtrain.engine.lookup import LookupWindows
@@ -45,6 +46,9 @@ class RunState:
     entered_together: bool = False
     uncompiled: list[str] = field(default_factory=list)
     compiles_at_batch: int = 0
+    handed_compiles: int = 0
+    """Compiles of targets handed over to full guards (H51): Dynamo's own recompiles,
+    which no phase hears of."""
     stance_on: bool = False
     """The current batch is steady: each target call runs under the stance, set for that
     call alone (H41), or directly (turbo)."""
@@ -84,6 +88,8 @@ class Run:
     """What the engine remembers of the run."""
     restored: dict[str, Any] = field(default_factory=dict)
     """Counters of earlier runs (a checkpoint, or earlier trainer calls)."""
+    ledger: Ledger = field(default_factory=Ledger)
+    """What the hand-over decisions read: rebuilds, the checks' cost (H51)."""
 
     @classmethod
     def first(cls, config: GuardConfig, host: Host, hooks: Hooks) -> Run:
@@ -107,6 +113,7 @@ class Run:
         self.levers = _levers.requested(self.config)
         self.targets = self.targets.next_run(self.config, self.levers)
         self.checks, self.lookup, self.state = Checks(), LookupWindows(), RunState()
+        self.ledger = Ledger()
 
     def train_batches(self) -> int:
         """Training batches of this run and the earlier ones (a checkpoint's included)."""

@@ -66,7 +66,9 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "shared_code": _shared_code(ts.kept, root),
         "own_code": [{"target": label(t, root), "why": t.own_code} for t in ts.kept if t.own_code],
         "direct_dispatch": _direct(e),
-        "caught_changes": run.caught.summary(),
+        "caught_changes": _caught(e),
+        "state_swaps": ts.swaps + sum(t.kept.swaps for t in ts.kept),
+        "full_guard_targets": [dict(h) for h in e.ledger.handed_over],
         "full_guard_calls": ts.full_guard_calls + sum(t.full_guard_calls for t in ts.kept),
         "checked_batches": e.checks.checked_batches + r.get("checked_batches", 0),
         "checked_calls": e.checks.checked_calls + r.get("checked_calls", 0),
@@ -74,6 +76,19 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "disabled": e.config.disabled,
         "compile_cache": warmstart.summary(compile_cache),
     }
+
+
+def _caught(e: Run) -> dict[str, dict[str, Any]]:
+    """Changes caught before a call by kind; a ``requires_grad`` flip back to a known state
+    (H46) counts as one, as when it was checked."""
+    caught = e.state.caught.summary()
+    swaps = e.targets.grad_swaps + sum(t.kept.grad_swaps for t in e.targets.kept)
+    if swaps:
+        row = caught.setdefault(
+            "requires_grad", {"count": 0, "first": "a flip back to a known state"}
+        )
+        row["count"] += swaps
+    return caught
 
 
 def gather_rearms(run: Run) -> None:

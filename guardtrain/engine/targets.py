@@ -20,6 +20,7 @@ from guardtrain.compile import (
     TakeOver,
     resolve_targets,
     share_groups,
+    take_call_counts,
     take_over_compiled,
 )
 from guardtrain.compile.resolve import forward_function
@@ -77,6 +78,10 @@ class TargetSet:
     """Calls run directly by targets that are no longer in the run (split, replaced)."""
     full_guard_calls: int = 0
     """Calls with full guards under the stance by targets no longer in the run."""
+    swaps: int = 0
+    """Flips back to a known state by targets no longer in the run (H46)."""
+    grad_swaps: int = 0
+    """Of those, the flips of ``requires_grad``."""
 
     def batch_starts(self) -> None:
         """Before a batch: each target's next call is the batch's first, which checks the
@@ -129,7 +134,7 @@ class TargetSet:
                 target = kept[(name, id(module))]
                 target.install(host.known_as(name))
                 target.pair_calls_across_ranks(paired)
-                target.take_call_counts()  # direct calls: counted in `restored`
+                take_call_counts(target)  # direct calls: counted in `restored`
                 self._allow_direct(target, host.root_label)
                 self.installed.append(target)
         else:
@@ -228,9 +233,11 @@ class TargetSet:
         if not target.detach():  # the last user of its code (the others split in this pass)
             target.rebuild()  # forget its entries, resume functions included
         target.uninstall()
-        direct_calls, full_guard_calls = target.take_call_counts()
+        direct_calls, full_guard_calls, swaps, grad_swaps = take_call_counts(target)
         self.direct_calls += direct_calls
         self.full_guard_calls += full_guard_calls
+        self.swaps += swaps
+        self.grad_swaps += grad_swaps
         index = self.installed.index(target)
         made = self._make(parts, paired, root_label)
         self.installed[index : index + 1] = made

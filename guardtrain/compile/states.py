@@ -1,0 +1,226 @@
+"""Known states: a flip back to a state a target ran in is a swap, not a re-check (H46).
+
+Some state alternates on every step between values that each have code: peft's
+``disable_adapter()`` flips the adapters' ``requires_grad`` off and back on around every
+DPO reference pass, Lightning's ``toggle_optimizer`` flips the other network's, an RL
+loop switches ``eval()`` and ``train()``, and autocast may be on every other step. The
+events see each flip (:mod:`guardtrain.compile.watch`), and the general check before the
+call (fingerprint, assertions, the stance's choice, a poll reset and a re-watch) cost
+about 20 ms a call on a 2-layer Llama, more than plain compile's whole step.
+
+A target's *state* is ``(requires_grad of its parameters, training of its modules, the
+plain attributes flips assigned, autocast)``: what the flip events keep
+(:class:`Flips`) and the call's autocast. In the steady state, when a target leaves a state it ran in, what
+its calls learnt there is kept (:class:`Known`: the code variant, its caller, the keys
+admitted, turbo's table, the polled versions). When it comes back to that state, and
+only flips were seen since, that is put back with a dictionary lookup and a few
+assignments, provided that
+
+* the code has compiled nothing and was not rebuilt since (its ``generation``), and
+* nothing else that only the general check would see happened since (:attr:`Kept.epoch`: it
+  moves at every check for a change that was not a flip, at every change of the stance,
+  at every rebuild, around verify batches).
+
+Everything the per-call path checks still runs after a swap: the restored versions
+compare against what they were when the state was left, and the argument key and mode
+against the keys admitted in that state. A state seen for the first time, or no longer
+known, takes the general check, and is known from then on.
+
+What the events cannot see (``torch.Tensor.requires_grad_(p)``, FSDP2's ``DTensor``
+parameters) the first call of each batch reads from the flags themselves and writes into
+the bits (:func:`guardtrain.compile.forward.first_call_of_batch`); between two calls of
+one batch such a flip is not seen, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from guardtrain.compile.call_mode import CallMode
+from guardtrain.compile.code import TargetCode
+from guardtrain.compile.direct import DirectEntry
+from guardtrain.compile.polled import Polled
+
+__all__ = [
+    "KNOWN_LIMIT",
+    "Flips",
+    "Kept",
+    "Known",
+    "StateKey",
+    "keep",
+    "leave",
+    "state_key",
+    "swap",
+]
+
+KNOWN_LIMIT = 16
+"""States kept per target; past it the oldest is forgotten (it takes the general check
+when it comes back)."""
+
+StateKey = tuple[bytes, bytes, tuple[Any, ...], bool]
+"""``(requires_grad bits, training bits, plain attributes assigned, autocast)`` of a target."""
+
+
+@dataclass(slots=True)
+class Known:
+    """What a target's calls learnt in one state, as it was when the target left it."""
+
+    code: TargetCode
+    generation: int
+    """The code's generation then: a compile or a rebuild since makes this stale."""
+    epoch: int
+    """The target's :attr:`epoch` then."""
+    compiled: Callable[..., Any]
+    checked_generation: int
+    versions: Polled
+    dispatch_table: dict[CallMode, list[DirectEntry]]
+    harvests: int
+    accepted: dict[CallMode, set[tuple[Any, ...]]]
+    accepted_masked: dict[CallMode, set[tuple[Any, ...]]]
+    full_keys: dict[CallMode, set[tuple[Any, ...]]]
+    delegated: dict[tuple[Any, ...], frozenset[int]]
+    last_key: tuple[Any, ...] | None
+    last_mode: CallMode | None
+    key_of: Callable[..., Any]
+
+
+@dataclass(slots=True, eq=False)
+class Flips:
+    """What the flip events keep of a watched target's state (H46)."""
+
+    only: bool = False
+    """Every event since the target's ``changed`` was set was a flip."""
+    grad_bits: bytearray = field(default_factory=bytearray)
+    """Its parameters' ``requires_grad`` (``parameters()`` order)."""
+    train_bits: bytearray = field(default_factory=bytearray)
+    """Its modules' ``training`` flags (``modules()`` order)."""
+    param_slots: dict[int, int] = field(default_factory=dict)
+    """``id(parameter)`` -> its byte in :attr:`grad_bits`."""
+    module_slots: dict[int, int] = field(default_factory=dict)
+    """``id(module)`` -> its byte in :attr:`train_bits`."""
+    attr_values: dict[tuple[int, str], tuple[type, Any]] = field(default_factory=dict)
+    """``(id(module), name)`` -> ``(type, value)`` of each plain attribute that guards read
+    and that a flip assigned (in the order first assigned; never emptied)."""
+
+
+@dataclass(slots=True, eq=False)
+class Kept:
+    """A target's known states, and what makes them stale."""
+
+    known: dict[StateKey, Known] = field(default_factory=dict)
+    """What the calls learnt in each state the target left in the steady state."""
+    state: StateKey | None = None
+    """The state the target's per-call tables belong to (None: none established since the
+    last check)."""
+    epoch: int = 0
+    """Moves whenever something a kept state assumed may have changed unseen by flips:
+    a check of another change, the stance on or off, a rebuild."""
+    swaps: int = 0
+    """Flips back to a known state, served without a check."""
+    grad_swaps: int = 0
+    """Of those, the ones whose ``requires_grad`` pattern differed."""
+
+    def stale(self) -> None:
+        """What was learnt in other states may be stale: no state is established."""
+        self.epoch += 1
+        self.state = None
+
+
+def state_key(target: Any, autocast: bool) -> StateKey:
+    """The target's state now, for a call with ``autocast``."""
+    flips = target.flips
+    return (
+        bytes(flips.grad_bits),
+        bytes(flips.train_bits),
+        tuple(flips.attr_values.values()),
+        autocast,
+    )
+
+
+def keep(target: Any) -> bool:
+    """Keep what ``target``'s calls learnt in the state it is leaving (:attr:`state`), so
+    that a flip back finds it; False when there is nothing to keep (outside the steady
+    state, in a verify batch, or no state established since the last check)."""
+    kept = target.kept
+    key = kept.state
+    if key is None or not target.under_stance or target.unverified is not None:
+        return False
+    known = kept.known
+    known.pop(key, None)
+    if len(known) >= KNOWN_LIMIT:
+        del known[next(iter(known))]
+    known[key] = Known(
+        target.code,
+        target.code.generation,
+        kept.epoch,
+        target.compiled,
+        target.checked_generation,
+        target.versions,
+        target.dispatch_table,
+        target.harvests,
+        target.accepted,
+        target.accepted_masked,
+        target.full_keys,
+        target.delegated,
+        target.last_key,
+        target.last_mode,
+        target.key_of,
+    )
+    kept.state = None
+    return True
+
+
+def leave(target: Any) -> None:
+    """Before the general check of a flip: keep the state being left, and give the target
+    fresh tables and versions, so that what it learns next is not written into the kept
+    ones (the versions are taken again at the end of the check)."""
+    if keep(target):
+        target.forget_dispatch()
+        target.versions = target.versions.successor()
+
+
+def swap(target: Any, key: StateKey) -> bool:
+    """Put back what ``target`` learnt in state ``key``, if it is still true: the same
+    epoch, the code not compiled nor rebuilt since and still its family's variant for
+    the key's ``requires_grad`` and autocast. The state being left is kept. True when
+    swapped."""
+    kept = target.kept
+    found: Known | None = kept.known.pop(key, None)
+    if found is None:
+        return False
+    code = found.code
+    if (
+        found.epoch != kept.epoch
+        or found.generation != code.generation
+        or code.pattern_bits != key[0]
+        or code.autocast is not key[3]
+        or code.variants.get((code.pattern, code.autocast)) is not code
+    ):
+        return False
+    left = kept.state
+    if left is not None and left[0] != key[0]:
+        kept.grad_swaps += 1  # a requires_grad flip, counted as the general check counts it
+    keep(target)
+    old = target.code
+    if code is not old:
+        old.members.remove(target)
+        if old.current is target:
+            old.current = None
+        code.members.append(target)
+        target.code = code
+    target.compiled = found.compiled
+    target.checked_generation = found.checked_generation
+    target.versions = found.versions
+    target.dispatch_table = found.dispatch_table
+    target.harvests = found.harvests
+    target.accepted = found.accepted
+    target.accepted_masked = found.accepted_masked
+    target.full_keys = found.full_keys
+    target.delegated = found.delegated
+    target.last_key = found.last_key
+    target.last_mode = found.last_mode
+    target.key_of = found.key_of
+    kept.state = key
+    kept.swaps += 1
+    return True
