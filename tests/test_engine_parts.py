@@ -34,6 +34,7 @@ class FakeTarget:
         self.params: tuple[Any, ...] = ()
         self.code = types.SimpleNamespace(shared=False, members=[self], pattern=grads.pattern(()))
         self.reference = None
+        self.handed_over: str | None = None
 
     def set_under_stance(self, on: bool, stances: Any) -> None:
         self.done.append(("steady", on))

@@ -108,7 +108,9 @@ def wrapper_for(target: TargetState, func: Callable[..., Any]) -> Callable[..., 
 def plain_forward_for(target: TargetState, func: Callable[..., Any]) -> Callable[..., Any]:
     """The ``forward`` of a target handed over to full guards (H51): its compiled code, as
     ``torch.compile`` would run it, with none of the per-call checks (a call under a
-    dispatch mode runs eagerly, as :func:`guarded` runs it, H18)."""
+    dispatch mode runs eagerly, as :func:`guarded` runs it, H18), and with Dynamo's guards
+    on modules' hooks: guardtrain no longer watches them, and torch skips them by default
+    (``skip_nnmodule_hook_guards``, H34), so a compile during the call keeps them."""
 
     @functools.wraps(func)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -116,7 +118,13 @@ def plain_forward_for(target: TargetState, func: Callable[..., Any]) -> Callable
             return target.bound(*args, **kwargs)
         target.calls += 1
         target.code.current = target
-        return target.compiled(*args, **kwargs)
+        cfg = torch._dynamo.config
+        previous = cfg.skip_nnmodule_hook_guards
+        cfg.skip_nnmodule_hook_guards = False
+        try:
+            return target.compiled(*args, **kwargs)
+        finally:
+            cfg.skip_nnmodule_hook_guards = previous
 
     forward.__wrapped__ = target.bound  # type: ignore[attr-defined]
     forward._guardtrain_target = target  # type: ignore[attr-defined]
@@ -350,8 +358,8 @@ def check_changed(
     """Before a call: something this target reads may have changed (an event, or with
     ``written`` a namespace whose version moved), or the call's autocast is not its code's.
 
-    Only flips seen (``requires_grad``, ``training``, autocast) and a state this target
-    ran in before under the stance: what it learnt there is put back, and nothing else
+    Only flips seen (``requires_grad``, ``training``, plain attributes, autocast) and a
+    state this target ran in before: what it learnt there is put back, and nothing else
     is checked (:mod:`guardtrain.compile.states`, H46). Otherwise the engine checks and
     acts (rebuilds the target or leaves the stance); then, still under the stance, the
     entry the stance would run must accept this call with its full guards, or the call
@@ -369,7 +377,7 @@ def check_changed(
     target.change_note = None
     if not flips:
         target.kept.stale()  # the check below sees this code only: what was kept may be stale
-    elif target.under_stance and not target.retry_eagerly and target.unverified is None:
+    elif not target.retry_eagerly and target.unverified is None:
         if _states.swap(target, _states.state_key(target, autocast)):
             return
         _states.leave(target)  # a state not known (yet): known once checked
@@ -378,8 +386,7 @@ def check_changed(
     target.versions.reset()
     if target.installed:
         target.watch_modules()
-    if target.under_stance:
-        target.kept.state = _states.state_key(target, autocast)
+    target.kept.state = _states.state_key(target, autocast)
     target.check_ns += _clock() - started  # what checks cost against what they save
 
 

@@ -10,11 +10,11 @@ about 20 ms a call on a 2-layer Llama, more than plain compile's whole step.
 
 A target's *state* is ``(requires_grad of its parameters, training of its modules, the
 plain attributes flips assigned, autocast)``: what the flip events keep
-(:class:`Flips`) and the call's autocast. In the steady state, when a target leaves a state it ran in, what
+(:class:`Flips`) and the call's autocast. When a target leaves a state it ran in, what
 its calls learnt there is kept (:class:`Known`: the code variant, its caller, the keys
-admitted, turbo's table, the polled versions). When it comes back to that state, and
-only flips were seen since, that is put back with a dictionary lookup and a few
-assignments, provided that
+admitted, turbo's table, the polled versions), in warm-up too (where only the code and
+the versions matter). When it comes back to that state, and only flips were seen since,
+that is put back with a dictionary lookup and a few assignments, provided that
 
 * the code has compiled nothing and was not rebuilt since (its ``generation``), and
 * nothing else that only the general check would see happened since (:attr:`Kept.epoch`: it
@@ -109,7 +109,7 @@ class Kept:
     """A target's known states, and what makes them stale."""
 
     known: dict[StateKey, Known] = field(default_factory=dict)
-    """What the calls learnt in each state the target left in the steady state."""
+    """What the calls learnt in each state the target left."""
     state: StateKey | None = None
     """The state the target's per-call tables belong to (None: none established since the
     last check)."""
@@ -139,12 +139,12 @@ def state_key(target: Any, autocast: bool) -> StateKey:
 
 
 def keep(target: Any) -> bool:
-    """Keep what ``target``'s calls learnt in the state it is leaving (:attr:`state`), so
-    that a flip back finds it; False when there is nothing to keep (outside the steady
-    state, in a verify batch, or no state established since the last check)."""
+    """Keep what ``target``'s calls learnt in the state it is leaving (:attr:`Kept.state`),
+    so that a flip back finds it; False when there is nothing to keep (in a verify batch,
+    or no state established since the last check)."""
     kept = target.kept
     key = kept.state
-    if key is None or not target.under_stance or target.unverified is not None:
+    if key is None or target.unverified is not None:
         return False
     known = kept.known
     known.pop(key, None)

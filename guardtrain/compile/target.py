@@ -295,7 +295,7 @@ class CompiledTarget:
             self.plain_stance, self.unsafe_stance = stances.plain, stances.unsafe
         self.under_stance = on = on and self.handed_over is None  # full guards: never (H51)
         self.kept.stale()  # after a time outside the stance, what was kept may be stale
-        if on and not self.changed:  # the state the calls learn in from now on (H46)
+        if not self.changed:  # the state the calls learn in from now on (H46)
             self.kept.state = _states.state_key(self, self.code.autocast)
         self.direct = (
             on and self.direct_allowed and self.unverified is None and not self.code.graph_breaks

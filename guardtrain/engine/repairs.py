@@ -167,17 +167,14 @@ class Repairs:
         Dynamo's recompile limit applies (H51). One warning names it and why."""
         r = self.run
         name = self.label(target)
-        stale = target.code.drops_guards or target.code.install_free_tensors
         hand_over(target, why)
         r.ledger.handed_over.append({"target": name, "why": why, "change": change})
         r.host.warn(
             f"guardtrain: {name!r} runs with full guards for the rest of the run, as "
             f"torch.compile runs it ({why}); Dynamo's recompile limit applies to it (H51)."
         )
-        if stale:  # entries compiled without every guard, or with free tensors: afresh
-            self.rebuild(target, f"handed over to full guards ({why})")
-        else:  # its entries kept every guard: Dynamo's own counts go on
-            self.rearm(None, f"{name}: handed over to full guards ({why})")
+        # Afresh: every entry with every guard, the hooks' among them, no free tensors.
+        self.rebuild(target, f"handed over to full guards ({why})")
 
     def weigh_checks(self, steady: bool) -> None:
         """After a training batch: every :data:`~guardtrain.engine.handover.CHECK_WINDOW`

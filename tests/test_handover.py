@@ -1,0 +1,104 @@
+"""A target handed over to full guards for the rest of the run (H51).
+
+* The decisions, on plain values: a rebuild count over the run and within the last
+  batches (:func:`~guardtrain.engine.handover.rebuilds_capped`), and which targets' checks
+  cost more than the guard time saved (:func:`~guardtrain.engine.handover.checks_over`).
+* Checks that cost more than they save: a module attribute that is assigned a new list
+  on every step (not a flip: a list is no plain value) makes every call take the general
+  check before it (fingerprint, assertions, re-watch), which on a small model costs far
+  more than the guard time the stance saves. After the lookup windows measured the
+  saving, the target is handed over: its calls run with full guards, with no per-call
+  check of guardtrain's, eager-equal throughout, and the summary says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_restored, guard_tuner
+from torch import nn
+
+from guardtrain.engine.handover import (
+    CHECK_WINDOW,
+    REBUILD_LIMIT,
+    RECENT_BATCHES,
+    checks_over,
+    rebuilds_capped,
+)
+
+STEPS = 64
+
+
+def test_rebuilds_are_capped_over_the_run_and_within_the_last_batches() -> None:
+    assert rebuilds_capped([5], 5) is None
+    assert rebuilds_capped([5, 30], 30) is None
+    spread = [i * RECENT_BATCHES for i in range(REBUILD_LIMIT)]  # never 3 in a window
+    assert rebuilds_capped(spread[:-1], spread[-2]) is None
+    assert rebuilds_capped(spread, spread[-1]) == f"rebuilt {REBUILD_LIMIT} times in this run"
+    assert rebuilds_capped([10, 11, 12], 12) == (
+        f"rebuilt 3 times within the last {RECENT_BATCHES} training batches"
+    )
+    assert rebuilds_capped([1, 2, 3 + RECENT_BATCHES], 3 + RECENT_BATCHES) is None
+
+
+def test_checks_over_hands_over_the_costliest_until_the_rest_fits() -> None:
+    assert checks_over({}, 10.0) == []
+    assert checks_over({"a": 5.0, "b": 4.0}, 10.0) == []
+    assert checks_over({"a": 2.0, "b": 40.0, "c": 3.0}, 10.0) == ["b"]
+    assert checks_over({"a": 5.0, "b": 40.0, "c": 8.0}, 10.0) == ["b", "c"]
+    assert checks_over({"a": 9.0, "b": 8.0, "c": 7.0}, 10.0) == ["a", "b"]
+    assert checks_over({"a": 3.0, "b": 0.0}, -1.0) == ["a"]  # no saving: any check costs
+
+
+class Offsets(nn.Module):
+    """Reads a list attribute that the loop replaces on every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+        self.offsets = [0.5]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x) + self.offsets[0]
+
+
+def run(preset: str | None) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
+    model = Offsets()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 8, generator=g) for _ in range(STEPS)]
+    outs: list[torch.Tensor] = []
+    tuner = guard_tuner(model, preset, audit_every=None) if preset is not None else None
+    with tuner if tuner is not None else torch.enable_grad():
+        for x in data:
+            model.offsets = [0.5]  # a new list, equal: every call checks again
+            with tuner.step((x,)) if tuner is not None else torch.enable_grad():
+                out = model(x)
+                out.square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            outs.append(out.detach().clone())
+    return outs, tuner.summary() if tuner is not None else None
+
+
+@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+def test_checks_that_cost_more_than_they_save_hand_the_target_over(preset: str) -> None:
+    eager, _ = run(None)
+    got, s = run(preset)
+    assert s is not None
+    assert all(torch.equal(a, b) for a, b in zip(eager, got)), "outputs differ from eager"
+    saving = s["lookup_us"]["full_guards"] - s["lookup_us"]["steady"]
+    assert s["full_guard_targets"], (s["lookup_us"], s["caught_changes"])
+    (handed,) = s["full_guard_targets"]
+    assert handed["target"] == "<model>"
+    assert "its checks before calls cost" in handed["why"], handed
+    assert f"{max(saving, 0.0):.0f} µs per step of guard time" in handed["why"], handed
+    # Handed over within the first cost window after the lookup windows: from then on the
+    # stance is off for good (every target has full guards), with no re-arm per step.
+    assert s["stance_blocked"] and "full guards" in s["stance_blocked"], s["stance_blocked"]
+    assert len(s["rearms"]) <= 2, s["rearms"]
+    assert CHECK_WINDOW < STEPS
+    assert_restored()
