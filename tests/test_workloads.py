@@ -110,13 +110,42 @@ def test_litgpt_fabric(name: str) -> None:
 
 @pytest.mark.slow
 def test_dpo_trl() -> None:
+    """``--tiny`` turns TRL's gradient checkpointing off: no hook a step (H47), so the
+    presets steady as in ``dpo-peft-hf``."""
     pytest.importorskip("trl")
     pytest.importorskip("peft")
     w = run("dpo-trl")
     assert_ran(w)
     notes = w["notes"]["compile"]
+    assert any("gradient_checkpointing=False" in n for n in notes), notes
+    assert any("input embeddings after the last turn: 0" in n for n in notes), notes
+    turbo = w["configs"]["turbo"]
+    assert turbo["steady_timed"] == STEPS, turbo
+
+
+@pytest.mark.slow
+def test_dpo_trl_with_gradient_checkpointing() -> None:
+    """TRL's default, as in the full run: one more forward hook on the input embeddings
+    every step (H47); guardtrain sees each one and never steadies, plain compile matches."""
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    from guardtrain.bench.workloads import Setting
+    from guardtrain.bench.workloads.trl_dpo import runner
+
+    turns = {}
+    for config in ("compile", "aggressive"):
+        r = runner(Setting(config, "aot_eager", tiny=True, warmup_steps=1, stable_steps=1), True)
+        try:
+            turns[config] = (r.turn(settle=2, timed=1, seed=0), r.summary(), list(r.notes))
+        finally:
+            r.close()
+    (plain, _, notes), (got, s, _) = turns["compile"], turns["aggressive"]
+    assert got.losses == plain.losses
     assert any("gradient_checkpointing=True" in n for n in notes), notes
-    assert any("forward hooks on the input embeddings" in n for n in notes), notes
+    (hooks,) = [int(n.rsplit(": ", 1)[1]) for n in notes if "input embeddings" in n]
+    assert hooks >= 3, notes  # at least one more a step
+    assert s is not None and s["steady_steps"] == 0 and got.steady == [False]
+    assert s["caught_changes"]["hooks"]["count"] > 0, s["caught_changes"]
 
 
 def test_vit_says_which_model_ran() -> None:
