@@ -65,11 +65,22 @@ The output shows results only; ``--check`` also checks the project's
 performance targets (:mod:`guardtrain.bench.checks`) and exits with status 1
 when one is missed.
 
+``--workload NAME`` (repeatable, or ``all``) runs the speed suite of real workloads
+instead (:mod:`guardtrain.bench.workloads`): DPO with a peft adapter in a plain loop,
+Lightning, the HF ``Trainer`` and TRL's ``DPOTrainer``, a Lightning GAN with
+``toggle_optimizer``, autocast on every other step, RL-style rollouts and updates, a ViT
+with gradient checkpointing, litgpt under Fabric. Each workload's whole training step
+is timed under plain compile (that library's way) and under the presets, interleaved in
+one process; reported: median ms per step, the ratio of medians to plain compile with its
+range over the rounds, and the facts of each preset's ``summary()``. ``--check`` there
+exits 1 when a preset's ratio is above 1.00.
+
 Modules: :mod:`~guardtrain.bench.models` (configurations and models),
 :mod:`~guardtrain.bench.runner` (one configuration), :mod:`~guardtrain.bench.measure`
 (the interleaved run), :mod:`~guardtrain.bench.report` (table, JSON, plot),
 :mod:`~guardtrain.bench.checks` (targets), :mod:`~guardtrain.bench.cost`
-(``--callback-cost``), :mod:`~guardtrain.bench.command` (the command line).
+(``--callback-cost``), :mod:`~guardtrain.bench.workloads` (``--workload``),
+:mod:`~guardtrain.bench.command` (the command line).
 """
 
 from __future__ import annotations

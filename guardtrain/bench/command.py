@@ -24,7 +24,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         description=(
             "Measure guard, pre-graph, whole-call and training-step time of eager, "
             "torch.compile, the guardtrain presets and the unsound floor, interleaved "
-            "in one process."
+            "in one process; or, with --workload, the whole training step of real "
+            "workloads under plain compile and the presets."
         ),
     )
     p.add_argument(
@@ -40,7 +41,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         metavar="LIST",
         help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)",
     )
-    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved repeats (default 5; --workload: rounds, default 4, --tiny 2)",
+    )
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument(
         "--calls", type=int, default=None, help="no_grad calls per window (default: calibrated)"
@@ -69,6 +75,21 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="measure the callback's per-step hook cost in the steady state instead",
     )
     p.add_argument("--preset", default="aggressive", help="preset for --callback-cost")
+    p.add_argument(
+        "--workload",
+        action="append",
+        metavar="NAME",
+        help="run the speed suite of real workloads instead (repeatable or comma-separated; "
+        "'all'); --configs from eager, compile, off, safe, balanced, aggressive, turbo "
+        "(default: compile, balanced, aggressive, turbo), --repeats rounds (default 4), "
+        "--steps timed steps per turn (default: the workload's); see docs/bench.md",
+    )
+    p.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="with --workload: run --backend everywhere, also where a workload says that "
+        "inductor does not fit and would run aot_eager",
+    )
     p.add_argument(
         "--check",
         action="store_true",
@@ -142,12 +163,63 @@ def _bench(args: argparse.Namespace, command: str) -> int:
     return status
 
 
+_NOT_WITH_WORKLOAD = (
+    ("model", "--model"),
+    ("quick", "--quick"),
+    ("no_step", "--no-step"),
+    ("calls", "--calls"),
+    ("plot", "--plot"),
+    ("callback_cost", "--callback-cost"),
+)
+
+
+def _workloads(args: argparse.Namespace, command: str) -> int:
+    """``--workload``: the speed suite (:mod:`guardtrain.bench.workloads`)."""
+    from guardtrain.bench import workloads
+
+    for attr, flag in _NOT_WITH_WORKLOAD:
+        if getattr(args, attr):
+            raise GuardTrainValueError(f"{flag} does not apply to --workload.")
+    if args.repeats is not None and args.repeats < 1:
+        raise GuardTrainValueError(f"--repeats must be at least 1, got {args.repeats}.")
+    if args.steps is not None and args.steps < 1:
+        raise GuardTrainValueError(f"--steps must be at least 1, got {args.steps}.")
+    configs = workloads.parse_suite_configs(args.configs)
+    if args.check and "compile" not in configs:
+        raise GuardTrainValueError("--check compares with plain compile: add it to --configs.")
+    options = workloads.SuiteOptions(
+        workloads=workloads.parse_workloads(args.workload),
+        configs=configs,
+        repeats=args.repeats if args.repeats is not None else (2 if args.tiny else 4),
+        steps=args.steps,
+        backend=args.backend,
+        fallback=not args.no_fallback,
+        tiny=args.tiny,
+        threads=args.threads or None,
+        progress=not args.no_progress,
+    )
+    data = workloads.run_suite(options)
+    data["command"] = command
+    print(workloads.format_suite(data))
+    print(f"\nwall time {data['wall_s']} s")
+    status = 0
+    if args.check:
+        data["checks"] = workloads.check_suite(data)
+        print("\n" + workloads.format_checks(data["checks"]))
+        status = 0 if data["checks"] and all(v["met"] for v in data["checks"]) else 1
+    if args.json:
+        report.write_json(args.json, data)
+    return status
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m guardtrain.bench") -> int:
     """Run the command; returns the exit status (1: ``--check`` found a target missed)."""
     parser = _parser(prog)
     args = parser.parse_args(argv)
     command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
     try:
+        if args.workload:
+            return _workloads(args, command)
         if args.plot:
             report.require_matplotlib()
         if args.callback_cost:

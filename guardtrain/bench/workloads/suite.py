@@ -1,0 +1,430 @@
+"""The suite's run: workloads one after another, their configurations interleaved.
+
+For each workload every configuration is built (its own model, the same seed), then
+each is warmed up with one untimed turn (its compiles happen there), then ``repeats``
+rounds: in each round every configuration runs one turn (``settle`` untimed steps,
+then ``steps`` timed ones), the order rotating from round to round. Reported per
+configuration: the median ms per timed step over all rounds, the per-round medians,
+and against plain compile the ratio of the medians with the per-round ratios' range;
+for the presets the facts of ``summary()`` that explain the speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch
+
+from guardtrain.bench.workloads.core import PLAIN, Runner, Setting, Turn, Workload, frames, quiet
+from guardtrain.errors import GuardTrainValueError
+
+__all__ = [
+    "DEFAULT_CONFIGS",
+    "SUITE_CONFIGS",
+    "SuiteOptions",
+    "check_suite",
+    "format_checks",
+    "format_suite",
+    "parse_suite_configs",
+    "run_suite",
+]
+
+SUITE_CONFIGS = ("eager", "compile", "off", "safe", "balanced", "aggressive", "turbo")
+"""The configurations a workload runs, in table order (no ``floor``: it is not sound)."""
+DEFAULT_CONFIGS = ("compile", "balanced", "aggressive", "turbo")
+CHECK_LIMIT = 1.00
+"""``--check``: the most a preset's ratio of medians to plain compile may be."""
+
+
+@dataclasses.dataclass
+class SuiteOptions:
+    workloads: list[str]
+    configs: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_CONFIGS))
+    repeats: int = 4
+    steps: int | None = None
+    """Timed steps per turn (default: the workload's)."""
+    backend: str = "inductor"
+    fallback: bool = True
+    """Run ``aot_eager`` where a workload says inductor does not fit."""
+    tiny: bool = False
+    threads: int | None = 1
+    progress: bool = True
+
+
+def parse_suite_configs(values: list[str] | None) -> list[str]:
+    """``--configs`` for the suite: names from :data:`SUITE_CONFIGS`, in table order.
+
+    Raises:
+        GuardTrainValueError: an unknown name or ``floor``.
+    """
+    if not values:
+        return list(DEFAULT_CONFIGS)
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()]
+    for name in names:
+        if name not in SUITE_CONFIGS:
+            raise GuardTrainValueError(
+                f"--configs: {name!r} is not a configuration of the workloads; allowed: "
+                f"{', '.join(SUITE_CONFIGS)}."
+            )
+    if not names:
+        raise GuardTrainValueError(f"--configs is empty; allowed: {', '.join(SUITE_CONFIGS)}.")
+    return [c for c in SUITE_CONFIGS if c in names]
+
+
+def _progress(options: SuiteOptions, message: str) -> None:
+    if options.progress:
+        print(f"[workloads] {message}", file=sys.stderr, flush=True)
+
+
+def run_suite(options: SuiteOptions) -> dict[str, Any]:
+    """Run the workloads; returns the results (see :func:`format_suite`)."""
+    from guardtrain.bench.workloads import WORKLOADS
+
+    threads = torch.get_num_threads()
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    t0 = time.perf_counter()
+    results = []
+    try:
+        with quiet():
+            for name in options.workloads:
+                results.append(_run_workload(WORKLOADS[name], options))
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "suite": "workloads",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "threads": options.threads,
+        "options": dataclasses.asdict(options),
+        "workloads": results,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _backend(w: Workload, options: SuiteOptions) -> tuple[str, str | None]:
+    if options.backend == "inductor" and w.inductor is not None and options.fallback:
+        return "aot_eager", f"aot_eager instead of inductor: {w.inductor}"
+    return options.backend, None
+
+
+def _run_workload(w: Workload, options: SuiteOptions) -> dict[str, Any]:
+    backend, note = _backend(w, options)
+    steps = options.steps or (w.tiny_steps if options.tiny else w.steps)
+    settle = w.settle(options.tiny)
+    warmup, stable = w.warmup(options.tiny)
+    out: dict[str, Any] = {
+        "workload": w.name,
+        "description": w.description,
+        "adapter": w.adapter,
+        "plain": w.plain,
+        "backend": backend,
+        "backend_note": note,
+        "settle_steps": settle,
+        "timed_steps": steps,
+        "repeats": options.repeats,
+        "warmup_steps": warmup,
+        "stable_steps": stable,
+        "calls_per_step": w.calls_per_step,
+    }
+    missing = w.missing()
+    if missing is not None:
+        out["skipped"] = missing
+        _progress(options, f"{w.name}: skipped ({missing})")
+        return out
+    torch._dynamo.reset()  # no compiled code of an earlier workload (same classes) is reused
+    t0 = time.perf_counter()
+    runners: dict[str, Runner] = {}
+    turns: dict[str, list[Turn]] = {c: [] for c in options.configs}
+    compiles: dict[str, dict[str, int]] = {c: {"warmup": 0, "rounds": 0} for c in options.configs}
+    warm_s: dict[str, float] = {}
+    caught: list[str] = []
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for c in options.configs:
+                setting = Setting(c, backend, options.tiny, warmup, stable)
+                runners[c] = w.build(setting)
+            for c in options.configs:
+                before, start = frames(), time.perf_counter()
+                runners[c].turn(settle, min(steps, 8), seed=0)
+                warm_s[c] = round(time.perf_counter() - start, 2)
+                compiles[c]["warmup"] = frames() - before
+                _progress(options, f"{w.name}: {c} warmed up in {warm_s[c]} s ({backend})")
+            for r in range(options.repeats):
+                k = r % len(options.configs)
+                for c in options.configs[k:] + options.configs[:k]:
+                    before = frames()
+                    turns[c].append(runners[c].turn(settle, steps, seed=r + 1))
+                    compiles[c]["rounds"] += frames() - before
+                _progress(options, f"{w.name}: round {r + 1}/{options.repeats} done")
+            caught = _distinct(str(x.message) for x in seen if "guardtrain" in str(x.filename))
+        summaries = {c: runners[c].summary() for c in options.configs}
+        for c in options.configs:
+            if c != "eager" and not sum(compiles[c].values()):
+                runners[c].notes.append("no Dynamo frame compiled: this configuration ran eagerly")
+        notes = {c: runners[c].notes for c in options.configs if runners[c].notes}
+    except Exception as err:
+        out["error"] = f"{type(err).__name__}: {err}"[:2000]
+        out["traceback"] = traceback.format_exc()[-4000:]
+        _progress(options, f"{w.name}: error {out['error'][:300]}")
+        return out
+    finally:
+        for runner in runners.values():
+            runner.close()
+        runners.clear()
+        torch._dynamo.reset()
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    out["warmup_s"] = warm_s
+    out["configs"] = _stats(options.configs, turns, compiles, summaries)
+    if notes:
+        out["notes"] = notes
+    if caught:
+        out["warnings"] = caught
+    return out
+
+
+def _distinct(messages: Any, limit: int = 5) -> list[str]:
+    found: list[str] = []
+    for m in messages:
+        m = m[:300]
+        if m not in found:
+            found.append(m)
+    return found[:limit]
+
+
+def _median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3 if times else float("nan")
+
+
+def _stats(
+    configs: list[str],
+    turns: dict[str, list[Turn]],
+    compiles: dict[str, dict[str, int]],
+    summaries: dict[str, dict[str, Any] | None],
+) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for c in configs:
+        times = [t for turn in turns[c] for t in turn.times]
+        row: dict[str, Any] = {
+            "median_ms": round(_median_ms(times), 3),
+            "round_ms": [round(_median_ms(turn.times), 3) for turn in turns[c]],
+            "timed": len(times),
+            "steady_timed": sum(s for turn in turns[c] for s in turn.steady),
+            "dynamo_compiles": compiles[c],
+            "last_loss": turns[c][-1].losses[-1] if turns[c] and turns[c][-1].losses else None,
+            "steps_per_turn": [len(turn.losses) for turn in turns[c]],
+        }
+        row["loss_finite"] = row["last_loss"] is not None and bool(
+            torch.isfinite(torch.tensor(row["last_loss"]))
+        )
+        summary = summaries.get(c)
+        if summary is not None:
+            row["summary"] = facts(summary)
+        rows[c] = row
+    if PLAIN in rows:
+        plain = rows[PLAIN]
+        for c in configs:
+            if c == PLAIN:
+                continue
+            row = rows[c]
+            row["ratio"] = round(row["median_ms"] / plain["median_ms"], 3)
+            per_round = [a / b for a, b in zip(row["round_ms"], plain["round_ms"]) if b]
+            row["ratio_rounds"] = [round(x, 3) for x in per_round]
+            row["ratio_min"] = round(min(per_round), 3) if per_round else None
+            row["ratio_max"] = round(max(per_round), 3) if per_round else None
+            row["losses_vs_plain"] = _loss_diff(turns[c], turns[PLAIN])
+    return rows
+
+
+def _loss_diff(got: list[Turn], plain: list[Turn]) -> dict[str, Any]:
+    """Every step's loss against plain compile's, turn by turn (the same data, seeds and
+    steps): ``equal`` (bitwise), else the largest absolute difference."""
+    diffs = [
+        abs(a - b)
+        for g, p in zip(got, plain)
+        for a, b in zip(g.losses, p.losses)
+        if not (math.isnan(a) or math.isnan(b))
+    ]
+    same_count = all(len(g.losses) == len(p.losses) for g, p in zip(got, plain))
+    worst = max(diffs) if diffs else None
+    return {"equal": same_count and worst == 0.0, "max_abs_diff": worst, "compared": len(diffs)}
+
+
+def facts(s: dict[str, Any]) -> dict[str, Any]:
+    """What explains a preset's speed, from its ``summary()`` (all runs of the workload)."""
+    reasons: list[str] = []
+    for r in s["rearms"]:
+        reason = str(r.get("reason", ""))[:160]
+        if reason not in reasons:
+            reasons.append(reason)
+    return {
+        "phase": s["phase"],
+        "compiles": s["compiles"],
+        "steady_steps": s["steady_steps"],
+        "warmup_steps_taken": s["warmup_steps_taken"],
+        "rearms": len(s["rearms"]),
+        "rearm_reasons": reasons[:3],
+        "full_guard_calls": s["full_guard_calls"],
+        "direct_calls": s["direct_dispatch"]["calls"],
+        "direct_refused": s["direct_dispatch"]["refused"],
+        "caught_changes": {k: v.get("count", 0) for k, v in s["caught_changes"].items()},
+        "stance_blocked": s["stance_blocked"],
+        "graph_breaks": len(s["graph_breaks"]),
+        "targets": s["targets"][:6],
+    }
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+HEADER = (
+    "workload",
+    "backend",
+    "config",
+    "ms/step",
+    "/compile [rounds]",
+    "steady",
+    "compiles",
+    "rearms",
+    "full-guard",
+    "direct",
+    "caught changes",
+    "losses",
+)
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    if "ratio" not in row:
+        return "-"
+    if row.get("ratio_min") is None:
+        return f"{row['ratio']:.2f}"
+    return f"{row['ratio']:.2f} [{row['ratio_min']:.2f}-{row['ratio_max']:.2f}]"
+
+
+def _losses(row: dict[str, Any]) -> str:
+    d = row.get("losses_vs_plain")
+    if d is None:
+        return "-"
+    if d["equal"]:
+        return "= plain"
+    return "-" if d["max_abs_diff"] is None else f"±{d['max_abs_diff']:.1e}"
+
+
+def _cells(w: dict[str, Any], c: str, row: dict[str, Any]) -> list[str]:
+    s = row.get("summary")
+    dyn = row["dynamo_compiles"]
+    compiles = f"{dyn['warmup']}+{dyn['rounds']}"
+    if s is None:
+        return [
+            w["workload"],
+            w["backend"],
+            c,
+            f"{row['median_ms']:.2f}",
+            _ratio(row),
+            "-",
+            compiles,
+            "-",
+            "-",
+            "-",
+            "-",
+            _losses(row),
+        ]
+    caught = ", ".join(f"{k} {v}" for k, v in s["caught_changes"].items()) or "-"
+    return [
+        w["workload"],
+        w["backend"],
+        c,
+        f"{row['median_ms']:.2f}",
+        _ratio(row),
+        f"{row['steady_timed']}/{row['timed']}",
+        compiles,
+        str(s["rearms"]),
+        str(s["full_guard_calls"]),
+        str(s["direct_calls"]),
+        caught,
+        _losses(row),
+    ]
+
+
+def format_suite(data: dict[str, Any]) -> str:
+    """The results as a table, then one line per workload note (backend, errors, skips)."""
+    rows = [list(HEADER)]
+    notes: list[str] = []
+    for w in data["workloads"]:
+        if "skipped" in w:
+            notes.append(f"{w['workload']}: skipped: {w['skipped']}")
+            continue
+        if "error" in w:
+            notes.append(f"{w['workload']}: error: {w['error'][:400]}")
+            continue
+        for c, row in w["configs"].items():
+            rows.append(_cells(w, c, row))
+        if w.get("backend_note"):
+            notes.append(f"{w['workload']}: {w['backend_note']}")
+        for c, row in w["configs"].items():
+            s = row.get("summary")
+            if s and s["rearm_reasons"]:
+                notes.append(f"{w['workload']} {c}: first re-arm: {s['rearm_reasons'][0]}")
+        for c, ns in w.get("notes", {}).items():
+            notes.extend(f"{w['workload']} {c}: {n}" for n in ns)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * n for n in widths))
+    head = (
+        f"torch {data['torch']}, {data['threads'] or 'default'} thread(s), {data['date']}; "
+        "ms/step: median over all timed steps; /compile: ratio of medians to plain compile "
+        "[per-round ratios, min-max]; steady: timed steps guardtrain ran steady; compiles: "
+        "Dynamo frames compiled in warm-up + rounds"
+    )
+    return "\n".join([head, "", *lines, *([""] if notes else []), *notes])
+
+
+def check_suite(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One verdict per workload and preset: met when its ratio of medians to plain compile
+    is at most :data:`CHECK_LIMIT`; a workload that raised is one verdict, not met."""
+    verdicts: list[dict[str, Any]] = []
+    for w in data["workloads"]:
+        if "error" in w:
+            verdicts.append(
+                {"workload": w["workload"], "config": None, "ratio": None, "met": False}
+            )
+            continue
+        for c, row in w.get("configs", {}).items():
+            if "ratio" not in row or c == "eager":
+                continue
+            verdicts.append(
+                {
+                    "workload": w["workload"],
+                    "config": c,
+                    "ratio": row["ratio"],
+                    "range": [row["ratio_min"], row["ratio_max"]],
+                    "met": row["ratio"] <= CHECK_LIMIT,
+                }
+            )
+    return verdicts
+
+
+def format_checks(verdicts: list[dict[str, Any]]) -> str:
+    lines = []
+    for v in verdicts:
+        if v["config"] is None:
+            lines.append(f"{v['workload']}: NOT met (the workload raised)")
+            continue
+        lo, hi = v["range"]
+        span = "" if lo is None else f" [{lo:.3f}-{hi:.3f}]"
+        verdict = "met" if v["met"] else "NOT met"
+        lines.append(
+            f"{v['workload']} {v['config']}: {v['ratio']:.3f}{span} x plain compile, "
+            f"limit {CHECK_LIMIT:.2f}: {verdict}"
+        )
+    if not lines:
+        lines.append("no workload could be checked (a plain `compile` configuration is needed)")
+    return "\n".join(lines)

@@ -1,0 +1,263 @@
+"""``guardtrain bench --workload``: the speed suite of real workloads.
+
+Each workload runs tiny (``aot_eager``, one round of 2 timed steps) under plain compile
+and ``turbo``: its results are there, every configuration ran the steps asked for, the
+last loss is finite, and every step's loss equals plain compile's bitwise (the same
+data, seeds and steps; ``aot_eager`` is deterministic on the CPU). The command line,
+``--check`` and the report are tested on the cheapest workload and on made-up results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from guardtrain.bench import main
+from guardtrain.bench.workloads import (
+    WORKLOADS,
+    SuiteOptions,
+    check_suite,
+    format_checks,
+    format_suite,
+    parse_suite_configs,
+    parse_workloads,
+    run_suite,
+)
+from guardtrain.errors import GuardTrainValueError
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+STEPS = 2
+CONFIGS = ["compile", "turbo"]
+
+
+def run(name: str, configs: list[str] = CONFIGS) -> dict[str, Any]:
+    data = run_suite(
+        SuiteOptions(
+            workloads=[name],
+            configs=configs,
+            repeats=1,
+            steps=STEPS,
+            backend="aot_eager",
+            tiny=True,
+            progress=False,
+        )
+    )
+    (w,) = data["workloads"]
+    assert "error" not in w, w.get("traceback", w.get("error"))
+    assert "skipped" not in w, w["skipped"]
+    return w
+
+
+def assert_ran(w: dict[str, Any], configs: list[str] = CONFIGS) -> None:
+    assert list(w["configs"]) == configs
+    assert w["backend"] == "aot_eager"
+    per_turn = w["settle_steps"] + STEPS
+    for c, row in w["configs"].items():
+        assert row["timed"] == STEPS, (c, row)
+        assert row["steps_per_turn"] == [per_turn], (c, row)
+        assert row["loss_finite"] and math.isfinite(row["last_loss"]), (c, row)
+        assert row["median_ms"] > 0
+        if c == "compile":
+            assert "summary" not in row
+            assert sum(row["dynamo_compiles"].values()) > 0, "plain compile compiled nothing"
+            continue
+        assert row["losses_vs_plain"]["equal"], (c, row["losses_vs_plain"])
+        assert row["losses_vs_plain"]["compared"] == per_turn
+        assert row["ratio"] > 0 and row["ratio_min"] <= row["ratio_max"]
+        s = row["summary"]
+        assert s["compiles"] > 0 and s["steady_steps"] >= 0, s
+
+
+FAST = ["gan-toggle", "autocast-alternate", "rl-alternate", "vit-checkpoint"]
+SLOW = ["dpo-peft", "dpo-peft-lightning", "dpo-peft-hf"]
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_workload(name: str) -> None:
+    w = run(name)
+    assert_ran(w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW)
+def test_dpo_workload(name: str) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    w = run(name)
+    assert_ran(w)
+    # Each step flips the adapters' requires_grad (H46): guardtrain saw it.
+    assert w["configs"]["turbo"]["summary"]["caught_changes"].get("requires_grad", 0) > 0
+
+
+@pytest.mark.parametrize("name", ["litgpt-fabric", "litgpt-fabric-regional"])
+def test_litgpt_fabric(name: str) -> None:
+    pytest.importorskip("litgpt")
+    w = run(name)
+    assert_ran(w)
+    targets = w["configs"]["turbo"]["summary"]["targets"]
+    if name.endswith("regional"):
+        assert targets == ["transformer.h.0", "transformer.h.1"], targets
+
+
+@pytest.mark.slow
+def test_dpo_trl() -> None:
+    """``--tiny`` turns TRL's gradient checkpointing off: no hook a step (H47), so the
+    presets steady as in ``dpo-peft-hf``."""
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    w = run("dpo-trl")
+    assert_ran(w)
+    notes = w["notes"]["compile"]
+    assert any("gradient_checkpointing=False" in n for n in notes), notes
+    assert any("input embeddings after the last turn: 0" in n for n in notes), notes
+    turbo = w["configs"]["turbo"]
+    assert turbo["steady_timed"] == STEPS, turbo
+
+
+@pytest.mark.slow
+def test_dpo_trl_with_gradient_checkpointing() -> None:
+    """TRL's default, as in the full run: one more forward hook on the input embeddings
+    every step (H47); guardtrain sees each one and never steadies, plain compile matches."""
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    from guardtrain.bench.workloads import Setting
+    from guardtrain.bench.workloads.trl_dpo import runner
+
+    turns = {}
+    for config in ("compile", "aggressive"):
+        r = runner(Setting(config, "aot_eager", tiny=True, warmup_steps=1, stable_steps=1), True)
+        try:
+            turns[config] = (r.turn(settle=2, timed=1, seed=0), r.summary(), list(r.notes))
+        finally:
+            r.close()
+    (plain, _, notes), (got, s, _) = turns["compile"], turns["aggressive"]
+    assert got.losses == plain.losses
+    assert any("gradient_checkpointing=True" in n for n in notes), notes
+    (hooks,) = [int(n.rsplit(": ", 1)[1]) for n in notes if "input embeddings" in n]
+    assert hooks >= 3, notes  # at least one more a step
+    assert s is not None and s["steady_steps"] == 0 and got.steady == [False]
+    assert s["caught_changes"]["hooks"]["count"] > 0, s["caught_changes"]
+
+
+def test_vit_says_which_model_ran() -> None:
+    w = run("vit-checkpoint", ["compile"])
+    (note,) = w["notes"]["compile"]
+    try:
+        import timm  # noqa: F401
+    except Exception:
+        assert "built-in TinyViT" in note
+    else:
+        assert "timm VisionTransformer" in note
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_command_line_json_and_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "w.json"
+    status = main(
+        [
+            "--workload",
+            "rl-alternate",
+            "--tiny",
+            "--backend",
+            "aot_eager",
+            "--repeats",
+            "2",
+            "--steps",
+            "3",
+            "--no-progress",
+            "--check",
+            "--json",
+            str(out),
+        ]
+    )
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    (w,) = data["workloads"]
+    assert list(w["configs"]) == ["compile", "balanced", "aggressive", "turbo"]
+    for row in w["configs"].values():
+        assert row["timed"] == 6 and len(row["round_ms"]) == 2
+    assert [v["config"] for v in data["checks"]] == ["balanced", "aggressive", "turbo"]
+    assert status == (0 if all(v["met"] for v in data["checks"]) else 1)
+    for v in data["checks"]:
+        verdict = "met" if v["met"] else "NOT met"
+        assert f"rl-alternate {v['config']}: {v['ratio']:.3f}" in printed
+        assert verdict in printed
+    assert "rl-alternate" in printed and "ms/step" in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workload", "nope"], "unknown workload 'nope'"),
+        (["--workload", "rl-alternate", "--configs", "floor"], "'floor' is not a configuration"),
+        (["--workload", "rl-alternate", "--model", "mlp"], "--model does not apply"),
+        (["--workload", "rl-alternate", "--check", "--configs", "turbo"], "add it to --configs"),
+        (["--workload", "rl-alternate", "--repeats", "0"], "--repeats must be at least 1"),
+    ],
+)
+def test_command_line_refuses(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parsing() -> None:
+    assert parse_workloads(["all"]) == list(WORKLOADS)
+    assert parse_workloads(["rl-alternate,dpo-peft"]) == ["dpo-peft", "rl-alternate"]
+    assert parse_suite_configs(None) == ["compile", "balanced", "aggressive", "turbo"]
+    assert parse_suite_configs(["turbo,compile", "eager"]) == ["eager", "compile", "turbo"]
+    with pytest.raises(GuardTrainValueError):
+        parse_workloads([" , "])
+
+
+def test_check_and_report_on_made_up_results() -> None:
+    row = {
+        "median_ms": 2.0,
+        "round_ms": [2.0],
+        "timed": 4,
+        "steady_timed": 4,
+        "dynamo_compiles": {"warmup": 1, "rounds": 0},
+    }
+    slow = dict(row, median_ms=3.0, ratio=1.5, ratio_min=1.4, ratio_max=1.6)
+    fast = dict(row, median_ms=1.8, ratio=0.9, ratio_min=0.85, ratio_max=0.95)
+    data = {
+        "torch": "x",
+        "threads": 1,
+        "date": "2026-12-03",
+        "workloads": [
+            {
+                "workload": "a",
+                "backend": "aot_eager",
+                "configs": {"compile": row, "aggressive": slow, "turbo": fast},
+            },
+            {"workload": "b", "error": "RuntimeError: boom"},
+            {"workload": "c", "skipped": "litgpt does not import"},
+        ],
+    }
+    verdicts = check_suite(data)
+    assert [(v["workload"], v["config"], v["met"]) for v in verdicts] == [
+        ("a", "aggressive", False),
+        ("a", "turbo", True),
+        ("b", None, False),
+    ]
+    text = format_checks(verdicts)
+    assert "a aggressive: 1.500 [1.400-1.600] x plain compile, limit 1.00: NOT met" in text
+    assert "a turbo: 0.900 [0.850-0.950] x plain compile, limit 1.00: met" in text
+    assert "b: NOT met (the workload raised)" in text
+    table = format_suite(data)
+    assert "b: error: RuntimeError: boom" in table
+    assert "c: skipped: litgpt does not import" in table
