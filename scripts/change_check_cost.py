@@ -26,11 +26,13 @@ guardtrain's frames (``aggressive`` and ``turbo``, compiled call stubbed for
 ``aggressive``), which does not depend on the machine's load.
 
 ``--flip`` times a flip back to a known state (H46) on DPO's adapter switch: a tiny peft
-LoRA Llama whose adapters are disabled and enabled between calls (peft's
-``disable_adapter_layers()``: 8 ``requires_grad`` flips and 4 attribute writes each way),
-steady with ``aggressive``, the compiled call stubbed. ``flip + call`` minus ``flip``
-alone minus a steady call without a flip is what the flip adds to the call that follows
-it (the budget: 2 µs). Usage::
+LoRA Llama whose adapters are disabled and enabled between calls (8 ``requires_grad``
+flips and 4 attribute writes each way), steady with ``aggressive``, the compiled call
+stubbed. Two ways: in a loop of the flip's writes alone and a call, minus the writes
+alone, against a steady call (what the flip adds to the call that follows it; the budget:
+2 µs); and each call timed on its own after peft's own ``disable_adapter_layers()`` /
+``enable_adapter_layers()`` (whose hundreds of µs of Python leave the caches cold for
+the call after it, with or without guardtrain). Usage::
 
     .venv/bin/python scripts/change_check_cost.py [--opcodes] [--flip]
 """
@@ -264,8 +266,24 @@ def flip_cost() -> dict[str, float]:
                     inner.enable_adapter_layers()
                 state[0] = not state[0]
 
+            adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+            layers = [m for m in model.modules() if "_disable_adapters" in m.__dict__]
+
+            def bare_flip() -> None:
+                # What peft's switch changes, without its own Python around it.
+                on = not state[0]
+                for p in adapters:
+                    p.requires_grad_(on)
+                for m in layers:
+                    m._disable_adapters = not on
+                state[0] = on
+
             def call() -> None:
                 model(input_ids=ids)
+
+            def bare_flip_and_call() -> None:
+                bare_flip()
+                call()
 
             n = 2000
             swaps_before = target.kept.swaps
@@ -275,6 +293,10 @@ def flip_cost() -> dict[str, float]:
                 flip()  # adapters on again for the steady calls
             steady = timed_calls(call, n)
             alone = per_call(flip, 200)
+            hot = per_call(bare_flip_and_call, 20_000) - per_call(bare_flip, 20_000)
+            hot_steady = per_call(call, 20_000)
+            if not state[0]:
+                flip()
         if swapped < 7 * n:
             raise AssertionError(f"only {swapped} of {7 * n} calls swapped: {tuner.summary()}")
         return {
@@ -282,6 +304,9 @@ def flip_cost() -> dict[str, float]:
             "flip": alone,
             "call": steady,
             "added": after_flip - steady,
+            "hot_after_flip": hot,
+            "hot_call": hot_steady,
+            "hot_added": hot - hot_steady,
         }
     finally:
         tuner.__exit__(None, None, None)
@@ -337,9 +362,16 @@ def main() -> None:
         torch.set_num_threads(1)
         f = flip_cost()
         print(f"torch {torch.__version__}; ns per call (median of 7), peft LoRA Llama")
-        print("| call after a flip | steady call | added by the flip | the flip itself |")
+        print("| measured | call after a flip | steady call | added by the flip |")
         print("|---|---|---|---|")
-        print(f"| {f['after_flip']:.0f} | {f['call']:.0f} | {f['added']:.0f} | {f['flip']:.0f} |")
+        print(
+            f"| in a loop, the flip's writes alone | {f['hot_after_flip']:.0f} | "
+            f"{f['hot_call']:.0f} | {f['hot_added']:.0f} |"
+        )
+        print(
+            f"| each call timed after peft's own switch ({f['flip'] / 1e3:.0f} µs) | "
+            f"{f['after_flip']:.0f} | {f['call']:.0f} | {f['added']:.0f} |"
+        )
         return
     torch.manual_seed(0)
     rows = [

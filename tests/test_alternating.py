@@ -205,3 +205,67 @@ def test_toggle_optimizer_costs_no_rebuild_per_step(preset: str) -> None:
         assert len(s["rearms"]) <= 1, s["rearms"]
         assert s["phase"] == "steady"
         assert s["steady_steps"] >= STEPS - s["warmup_steps_taken"] - 1, s["rearms"]
+
+
+def epochs_run(
+    preset: str | None, monkeypatch: pytest.MonkeyPatch, epochs: int = 8
+) -> tuple[list[torch.Tensor], dict[str, Any] | None, list[int]]:
+    """Epochs of 6 training batches (``train()``, dropout) and 2 validation batches
+    (``eval()``, ``no_grad``), each in its own ``tuner.loop``; every output, the summary,
+    and per epoch the general checks (``forward._check``) its calls took."""
+    import guardtrain.compile.forward as forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = batches(8)
+    checks: list[int] = []
+    general = forward._check
+
+    def counted(*args: Any) -> None:
+        checks[-1] += 1
+        general(*args)
+
+    monkeypatch.setattr(forward, "_check", counted)
+    outs: list[torch.Tensor] = []
+    tuner = guard_tuner(model, preset, compile_kwargs=AOT, **WARMUP) if preset else None
+    torch.manual_seed(3)
+    with tuner if tuner is not None else contextlib.nullcontext():
+        for _ in range(epochs):
+            checks.append(0)
+            model.train()
+            with tuner.loop("train") if tuner else contextlib.nullcontext():
+                for x, y in data[:6]:
+                    with tuner.step((x, y)) if tuner else contextlib.nullcontext():
+                        out = model(x)
+                        (out - y).square().mean().backward()
+                        opt.step()
+                        opt.zero_grad()
+                    outs.append(out.detach().clone())
+            model.eval()
+            validate = tuner.loop("validate") if tuner else contextlib.nullcontext()
+            with validate, torch.no_grad():
+                for x, _y in data[6:]:
+                    with tuner.step((x,)) if tuner else contextlib.nullcontext():
+                        outs.append(model(x))
+    return outs, tuner.summary() if tuner else None, checks
+
+
+@pytest.mark.parametrize("preset", STANCE_PRESETS)
+def test_loop_passes_keep_the_known_states(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stance goes off at each loop pass's start and end, and nothing changes there:
+    a ``train()`` / ``eval()`` switch between the passes is a swap, not a general check
+    (H46), and the checks' cost never hands the target over (H51). Outputs bitwise equal
+    to eager, dropout included (``aot_eager``)."""
+    eager, _, _ = epochs_run(None, monkeypatch)
+    got, s, checks = epochs_run(preset, monkeypatch)
+    assert len(eager) == len(got)
+    for i, (a, b) in enumerate(zip(eager, got)):
+        assert torch.equal(a, b), f"output {i} differs from eager"
+    assert s is not None
+    assert s["phase"] == "steady", s["rearms"]
+    assert not s["full_guard_targets"], s["full_guard_targets"]
+    # The first epochs learn both states (and compile the eval entry); after that every
+    # switch, two an epoch, is a swap.
+    assert checks[3:] == [0] * (len(checks) - 3), checks
+    assert s["state_swaps"] >= 2 * (len(checks) - 3), s["state_swaps"]

@@ -36,7 +36,7 @@ class FakeTarget:
         self.reference = None
         self.handed_over: str | None = None
 
-    def set_under_stance(self, on: bool, stances: Any) -> None:
+    def set_under_stance(self, on: bool, stances: Any, keep: bool = False) -> None:
         self.done.append(("steady", on))
 
     def start_checking(self) -> None:

@@ -336,20 +336,20 @@ def test_template_compile_true_is_taken_over(
 
 
 @pytest.mark.slow
-def test_aggressive_inductor_checkpoints_every_epoch(
-    baseline: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_aggressive_inductor_checkpoints_every_epoch(baseline: Run, tmp_path: Path) -> None:
     """The preset's own backend (inductor): val/loss within rtol 1e-3 of the run without it."""
-    # Dropout in inductor's graphs draws as eager does only with fallback_random.
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
-    guarded = run(
-        [
-            "+guard=aggressive",
-            "callbacks.guard_tune.warmup_steps=3",
-            "callbacks.guard_tune.stable_steps=2",
-        ],
-        tmp_path,
-    )
+    # Dropout in inductor's graphs draws as eager does only with fallback_random. Not
+    # monkeypatch: its undo deletes the attribute, and a config module then hides the entry
+    # (a later `torch._inductor.config.fallback_random` raises AttributeError).
+    with torch._inductor.config.patch(fallback_random=True):
+        guarded = run(
+            [
+                "+guard=aggressive",
+                "callbacks.guard_tune.warmup_steps=3",
+                "callbacks.guard_tune.stable_steps=2",
+            ],
+            tmp_path,
+        )
     cb = guarded.guard
     assert cb is not None
     assert cb.compile_kwargs.get("backend", "inductor") == "inductor"

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ from guardtrain.bench import checks, cost, measure, report
 from guardtrain.bench.models import CONFIGS, MODELS, QUICK_MODELS, check_model_specs, parse_configs
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.presets import PRESETS
+
+if TYPE_CHECKING:
+    from guardtrain.bench.workloads.suite import SuiteOptions
 
 __all__ = ["cli", "main"]
 
@@ -173,10 +176,8 @@ _NOT_WITH_WORKLOAD = (
 )
 
 
-def _workloads(args: argparse.Namespace, command: str) -> int:
-    """``--workload``: the speed suite (:mod:`guardtrain.bench.workloads`)."""
-    from guardtrain.bench import workloads
-
+def _reject_workload_flags(args: argparse.Namespace) -> None:
+    """Raise on a flag that does not apply to ``--workload``, or a bad count."""
     for attr, flag in _NOT_WITH_WORKLOAD:
         if getattr(args, attr):
             raise GuardTrainValueError(f"{flag} does not apply to --workload.")
@@ -184,10 +185,17 @@ def _workloads(args: argparse.Namespace, command: str) -> int:
         raise GuardTrainValueError(f"--repeats must be at least 1, got {args.repeats}.")
     if args.steps is not None and args.steps < 1:
         raise GuardTrainValueError(f"--steps must be at least 1, got {args.steps}.")
+
+
+def _suite_options(args: argparse.Namespace) -> SuiteOptions:
+    """``--workload``'s arguments as the suite's options."""
+    from guardtrain.bench import workloads
+
+    _reject_workload_flags(args)
     configs = workloads.parse_suite_configs(args.configs)
     if args.check and "compile" not in configs:
         raise GuardTrainValueError("--check compares with plain compile: add it to --configs.")
-    options = workloads.SuiteOptions(
+    return workloads.SuiteOptions(
         workloads=workloads.parse_workloads(args.workload),
         configs=configs,
         repeats=args.repeats if args.repeats is not None else (2 if args.tiny else 4),
@@ -198,15 +206,27 @@ def _workloads(args: argparse.Namespace, command: str) -> int:
         threads=args.threads or None,
         progress=not args.no_progress,
     )
+
+
+def _check_workloads(data: dict[str, Any]) -> int:
+    """``--workload --check``: print the verdicts, keep them in ``data``; the exit status."""
+    from guardtrain.bench import workloads
+
+    data["checks"] = workloads.check_suite(data)
+    print("\n" + workloads.format_checks(data["checks"]))
+    return 0 if data["checks"] and all(v["met"] for v in data["checks"]) else 1
+
+
+def _workloads(args: argparse.Namespace, command: str) -> int:
+    """``--workload``: the speed suite (:mod:`guardtrain.bench.workloads`)."""
+    from guardtrain.bench import workloads
+
+    options = _suite_options(args)
     data = workloads.run_suite(options)
     data["command"] = command
     print(workloads.format_suite(data))
     print(f"\nwall time {data['wall_s']} s")
-    status = 0
-    if args.check:
-        data["checks"] = workloads.check_suite(data)
-        print("\n" + workloads.format_checks(data["checks"]))
-        status = 0 if data["checks"] and all(v["met"] for v in data["checks"]) else 1
+    status = _check_workloads(data) if args.check else 0
     if args.json:
         report.write_json(args.json, data)
     return status

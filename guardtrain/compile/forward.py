@@ -52,11 +52,11 @@ from guardtrain.compile.trampoline import compiling_frame
 
 __all__ = [
     "autocast_switched",
-    "plain_forward_for",
     "check_changed",
     "first_call_of_batch",
     "fit",
     "guarded",
+    "plain_forward_for",
     "steady",
     "with_full_guards",
     "wrapper_for",
@@ -365,8 +365,7 @@ def check_changed(
     entry the stance would run must accept this call with its full guards, or the call
     leaves the stance: the recorded assertions do not say which entry serves the call's
     grad mode or autocast (an eval entry compiled under ``no_grad`` matches a submodule
-    switched to ``eval()`` in training). Then the versions and the watched modules start
-    again."""
+    switched to ``eval()`` in training). Then the versions and the watched modules restart."""
     autocast = any_autocast()
     flips = target.flips.only and not written
     if written:

@@ -18,8 +18,8 @@ that is put back with a dictionary lookup and a few assignments, provided that
 
 * the code has compiled nothing and was not rebuilt since (its ``generation``), and
 * nothing else that only the general check would see happened since (:attr:`Kept.epoch`: it
-  moves at every check for a change that was not a flip, at every change of the stance,
-  at every rebuild, around verify batches).
+  moves at every check for a change that was not a flip, at every change of the stance
+  but a loop pass's start and end, at every rebuild, around verify batches).
 
 Everything the per-call path checks still runs after a swap: the restored versions
 compare against what they were when the state was left, and the argument key and mode
@@ -115,7 +115,8 @@ class Kept:
     last check)."""
     epoch: int = 0
     """Moves whenever something a kept state assumed may have changed unseen by flips:
-    a check of another change, the stance on or off, a rebuild."""
+    a check of another change, the stance on or off (but for a loop pass's start or end),
+    a rebuild."""
     swaps: int = 0
     """Flips back to a known state, served without a check."""
     grad_swaps: int = 0

@@ -112,20 +112,16 @@ class CompiledTarget:
         self.plain_stance: Any = NO_STANCE
         self.unsafe_stance: Any = None
         self.direct_allowed = False  # direct dispatch wanted (`direct_dispatch`, not refused)
-        self.direct = False
-        self.direct_calls = 0
+        self.direct, self.direct_calls = False, 0
         self.forget_dispatch()  # the dispatch table, the accepted keys
-        self.checking = False
-        self.checks = 0
+        self.checking, self.checks = False, 0
         self.retry_eagerly = False
         self.changed = False
         self.change_note: str | None = None
         self.flips, self.kept = _states.Flips(), _states.Kept()  # flips, known states (H46)
         self.first_call = False
         self.versions = Polled()
-        self.full_guard_calls = 0
-        self.checked_generation = 0
-        self.calls = 0
+        self.full_guard_calls, self.checked_generation, self.calls = 0, 0, 0
         self.unverified: Callable[..., Any] | None = None
         self.mismatch: str | None = None
         self.handed_over: str | None = None  # why it has full guards for the run (H51)
@@ -286,16 +282,19 @@ class CompiledTarget:
 
     # -- the stance, and what the engine asks ------------------------------------------------
 
-    def set_under_stance(self, on: bool, stances: Stances | None = None) -> None:
+    def set_under_stance(
+        self, on: bool, stances: Stances | None = None, keep: bool = False
+    ) -> None:
         """The steady state starts or ends: calls set the stance around their own compiled
         call (``stances``: what they write, H41), and with direct dispatch allowed run
-        harvested entries. Off empties the dispatch table (it is harvested again, from
-        real calls, when the steady state is next on)."""
+        harvested entries. Off empties the dispatch table (harvested again when the
+        steady state is next on). Known states go stale, but with ``keep`` (H46)."""
         if stances is not None:
             self.plain_stance, self.unsafe_stance = stances.plain, stances.unsafe
         self.under_stance = on = on and self.handed_over is None  # full guards: never (H51)
-        self.kept.stale()  # after a time outside the stance, what was kept may be stale
-        if not self.changed:  # the state the calls learn in from now on (H46)
+        if not keep:
+            self.kept.stale()  # after a time outside the stance, what was kept may be stale
+        if not self.changed and self.kept.state is None:  # where calls learn from now on (H46)
             self.kept.state = _states.state_key(self, self.code.autocast)
         self.direct = (
             on and self.direct_allowed and self.unverified is None and not self.code.graph_breaks
@@ -410,7 +409,7 @@ def hand_over(target: CompiledTarget, why: str) -> None:
     target.handed_over = why
     target.code.keep_every_guard()
     target.set_under_stance(False)
-    target.kept = _states.Kept()
+    target.kept.known.clear()
     _watch.unwatch(target)
     if target.installed:
         target.module.__dict__["forward"] = plain_forward_for(target, target._func)

@@ -309,7 +309,7 @@ class GuardEngine:
         r = self.run
         if not r.state.active:
             return
-        self._repairs.set_steady(False)
+        self._repairs.set_steady(False, boundary=True)
         self._repairs.stop_checking()
         r.state.loop = loop
         r.state.pending.add(loop)
@@ -385,7 +385,7 @@ class GuardEngine:
         r = self.run
         if not r.state.active:
             return
-        self._repairs.set_steady(False)
+        self._repairs.set_steady(False, boundary=True)
         r.dynamo.set_guard_collectives(False)
         r.machine.pass_done(loop, complete)
         if loop != TRAIN and r.machine.use_stance:

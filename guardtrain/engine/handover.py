@@ -93,6 +93,10 @@ class Ledger:
     """``id(target)`` -> its check time at the start of the current window."""
     window_start: int | None = None
     """The training batch at which the current cost window started."""
+    compiles: int = 0
+    """The run's compiles when the windows started: a compile starts them again."""
+    over: set[str] = field(default_factory=set)
+    """The targets whose checks cost more than the saving in the last window."""
 
     def rebuilt(self, target: Any, batch: int, change: str) -> str | None:
         """Record a rebuild of ``target`` at training batch ``batch`` for ``change``; why to
@@ -101,6 +105,21 @@ class Ledger:
         batches.append(batch)
         self.changes.setdefault(id(target), Counter())[change] += 1
         return rebuilds_capped(batches, batch)
+
+    def restart(self, compiles: int) -> None:
+        """The cost windows start again (a compile, or out of the steady state): a check
+        in the last one may have been the first of its state, not a recurring one."""
+        self.window_start = None
+        self.compiles = compiles
+        self.over.clear()
+
+    def over_again(self, over: list[str]) -> list[str]:
+        """Of the targets whose checks cost more than the saving in the window that just
+        ended (``over``), those that did in the window before too: a recurring cost, where
+        the first check of a state falls in one window alone."""
+        again = [name for name in over if name in self.over]
+        self.over = set(over)
+        return again
 
     def repeated(self, target: Any) -> str:
         """The change that rebuilt ``target`` most often."""

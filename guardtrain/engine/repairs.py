@@ -93,17 +93,25 @@ class Repairs:
 
     # -- the steady switch -------------------------------------------------------------------
 
-    def set_steady(self, on: bool) -> None:
+    def set_steady(self, on: bool, boundary: bool = False) -> None:
         """The steady state starts or ends for the targets' calls. Torch's stance itself
-        is set by each steady call around its own compiled call, never here (H41)."""
+        is set by each steady call around its own compiled call, never here (H41).
+
+        ``boundary``: off only because a loop pass starts or ends. The targets' known
+        states then stay, and stay when the stance is next on, unless it went off for
+        another reason in between (a re-arm): a Lightning run that validates every
+        epoch swaps ``train()`` and ``eval()`` as a flip, not with a check (H46)."""
         r = self.run
         state = r.state
+        if not on:
+            state.states_kept = boundary and (state.states_kept or state.stance_on)
         if on == state.stance_on or (on and not r.dynamo.active):
             return
+        keep = state.states_kept if on else boundary
         state.stance_on = on
         stances = r.dynamo.stances
         for target in r.targets.installed:
-            target.set_under_stance(on, stances)
+            target.set_under_stance(on, stances, keep=keep)
 
     def steady_for_batch(self, steady: bool, check: str | None) -> None:
         """The batch's calls run steady or not; a steady batch with an unseen signature
@@ -177,16 +185,21 @@ class Repairs:
         self.rebuild(target, f"handed over to full guards ({why})")
 
     def weigh_checks(self, steady: bool) -> None:
-        """After a training batch: every :data:`~guardtrain.engine.handover.CHECK_WINDOW`
-        steady batches, hand over the targets whose checks before calls cost more than the
-        guard time the steady state saves per step (the lookup windows' ``full_guards``
-        minus ``steady``): never slower than plain compile. Not with paired calls (a
-        hand-over on one rank alone would break the pairing of guard collectives)."""
+        """After a training batch: in windows of :data:`~guardtrain.engine.handover.CHECK_WINDOW`
+        steady batches without a compile, hand over the targets whose checks before calls
+        cost more than the guard time the steady state saves per step (the lookup
+        windows' ``full_guards`` minus ``steady``) in two windows in a row: never slower
+        than plain compile. Not with paired calls (a hand-over on one rank alone would
+        break the pairing of guard collectives)."""
         r = self.run
         ledger = r.ledger
-        if not steady or r.paired():
-            ledger.window_start = None
-            return
+        if not steady or r.paired() or ledger.compiles != r.monitor.compiles:
+            # A compile makes the states known so far stale, and the stance's entry starts
+            # them afresh: the first check of each after it is a cost of that compile or
+            # entry, not a recurring one (H46).
+            ledger.restart(r.monitor.compiles)
+            if not steady or r.paired():
+                return
         batch = r.train_batches()
         installed = [t for t in r.targets.installed if t.handed_over is None]
         if ledger.window_start is None:
@@ -203,11 +216,12 @@ class Repairs:
             name: (t.check_ns - ledger.check_ns.get(id(t), t.check_ns)) / 1e3 / steps
             for name, t in by_name.items()
         }
-        for name in checks_over(costs, saving):
+        for name in ledger.over_again(checks_over(costs, saving)):
             self.hand_over(
                 by_name[name],
                 f"its checks before calls cost {costs[name]:.0f} µs per training step, more "
-                f"than the {max(saving, 0.0):.0f} µs per step of guard time the stance saves",
+                f"than the {max(saving, 0.0):.0f} µs per step of guard time the stance "
+                f"saves, in {CHECK_WINDOW} steady batches twice in a row",
             )
 
     # -- graph breaks --------------------------------------------------------------------------

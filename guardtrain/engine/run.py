@@ -52,6 +52,9 @@ class RunState:
     stance_on: bool = False
     """The current batch is steady: each target call runs under the stance, set for that
     call alone (H41), or directly (turbo)."""
+    states_kept: bool = False
+    """The stance is off only for a loop pass's start or end: the targets' known states
+    stay (:meth:`~guardtrain.engine.repairs.Repairs.set_steady`, H46)."""
     stance_at_start: bool = False
     """The stance was on when the current training batch started."""
     logged_changes: int = -1

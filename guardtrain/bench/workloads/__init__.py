@@ -18,16 +18,16 @@ users compile) and under the presets, interleaved in one process (:mod:`.suite`)
   under Lightning Fabric, compiled whole or block by block.
 
 The parts: :mod:`.core` (a workload, its configurations as runners, their turns),
-:mod:`.suite` (the interleaved run, the table, ``--check``).
+:mod:`.suite` (:data:`WORKLOADS`, the interleaved run, the table, ``--check``).
 """
 
 from __future__ import annotations
 
-from guardtrain.bench.workloads import dpo, gan, litgpt_fabric, loops, trl_dpo
 from guardtrain.bench.workloads.core import Setting, Turn, Workload
 from guardtrain.bench.workloads.suite import (
     DEFAULT_CONFIGS,
     SUITE_CONFIGS,
+    WORKLOADS,
     SuiteOptions,
     check_suite,
     format_checks,
@@ -52,18 +52,6 @@ __all__ = [
     "parse_workloads",
     "run_suite",
 ]
-
-WORKLOADS: dict[str, Workload] = {
-    w.name: w
-    for w in [
-        *dpo.WORKLOADS,
-        *trl_dpo.WORKLOADS,
-        *gan.WORKLOADS,
-        *loops.WORKLOADS,
-        *litgpt_fabric.WORKLOADS,
-    ]
-}
-"""Every workload, in the suite's order."""
 
 
 def parse_workloads(values: list[str]) -> list[str]:

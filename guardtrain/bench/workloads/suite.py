@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 
+from guardtrain.bench.workloads import dpo, gan, litgpt_fabric, loops, trl_dpo
 from guardtrain.bench.workloads.core import PLAIN, Runner, Setting, Turn, Workload, frames, quiet
 from guardtrain.errors import GuardTrainValueError
 
 __all__ = [
     "DEFAULT_CONFIGS",
     "SUITE_CONFIGS",
+    "WORKLOADS",
     "SuiteOptions",
     "check_suite",
     "format_checks",
@@ -42,6 +44,11 @@ SUITE_CONFIGS = ("eager", "compile", "off", "safe", "balanced", "aggressive", "t
 DEFAULT_CONFIGS = ("compile", "balanced", "aggressive", "turbo")
 CHECK_LIMIT = 1.00
 """``--check``: the most a preset's ratio of medians to plain compile may be."""
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w for m in (dpo, trl_dpo, gan, loops, litgpt_fabric) for w in m.WORKLOADS
+}
+"""Every workload, in the suite's order."""
 
 
 @dataclasses.dataclass
@@ -86,8 +93,6 @@ def _progress(options: SuiteOptions, message: str) -> None:
 
 def run_suite(options: SuiteOptions) -> dict[str, Any]:
     """Run the workloads; returns the results (see :func:`format_suite`)."""
-    from guardtrain.bench.workloads import WORKLOADS
-
     threads = torch.get_num_threads()
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -116,25 +121,116 @@ def _backend(w: Workload, options: SuiteOptions) -> tuple[str, str | None]:
     return options.backend, None
 
 
-def _run_workload(w: Workload, options: SuiteOptions) -> dict[str, Any]:
+@dataclasses.dataclass
+class _Plan:
+    """How one workload runs: its backend and its steps per turn."""
+
+    backend: str
+    note: str | None
+    steps: int
+    settle: int
+    warmup: int
+    stable: int
+
+
+def _plan(w: Workload, options: SuiteOptions) -> _Plan:
     backend, note = _backend(w, options)
     steps = options.steps or (w.tiny_steps if options.tiny else w.steps)
-    settle = w.settle(options.tiny)
     warmup, stable = w.warmup(options.tiny)
-    out: dict[str, Any] = {
+    return _Plan(backend, note, steps, w.settle(options.tiny), warmup, stable)
+
+
+def _header(w: Workload, options: SuiteOptions, plan: _Plan) -> dict[str, Any]:
+    """A workload's result before it runs: what it is and how it runs."""
+    return {
         "workload": w.name,
         "description": w.description,
         "adapter": w.adapter,
         "plain": w.plain,
-        "backend": backend,
-        "backend_note": note,
-        "settle_steps": settle,
-        "timed_steps": steps,
+        "backend": plan.backend,
+        "backend_note": plan.note,
+        "settle_steps": plan.settle,
+        "timed_steps": plan.steps,
         "repeats": options.repeats,
-        "warmup_steps": warmup,
-        "stable_steps": stable,
+        "warmup_steps": plan.warmup,
+        "stable_steps": plan.stable,
         "calls_per_step": w.calls_per_step,
     }
+
+
+class _Run:
+    """One workload's configurations as runners, and what their turns measured."""
+
+    def __init__(self, w: Workload, options: SuiteOptions, plan: _Plan) -> None:
+        self.w, self.options, self.plan = w, options, plan
+        self.configs = options.configs
+        self.runners: dict[str, Runner] = {}
+        self.turns: dict[str, list[Turn]] = {c: [] for c in self.configs}
+        self.compiles = {c: {"warmup": 0, "rounds": 0} for c in self.configs}
+        self.warm_s: dict[str, float] = {}
+
+    def build(self) -> None:
+        options, plan = self.options, self.plan
+        for c in self.configs:
+            setting = Setting(c, plan.backend, options.tiny, plan.warmup, plan.stable)
+            self.runners[c] = self.w.build(setting)
+
+    def warm_up(self) -> None:
+        """One untimed turn per configuration (its compiles happen here)."""
+        plan = self.plan
+        for c in self.configs:
+            before, start = frames(), time.perf_counter()
+            self.runners[c].turn(plan.settle, min(plan.steps, 8), seed=0)
+            self.warm_s[c] = round(time.perf_counter() - start, 2)
+            self.compiles[c]["warmup"] = frames() - before
+            message = f"{c} warmed up in {self.warm_s[c]} s ({plan.backend})"
+            _progress(self.options, f"{self.w.name}: {message}")
+
+    def rounds(self) -> None:
+        """``repeats`` rounds of one turn per configuration, the order rotating."""
+        repeats, plan = self.options.repeats, self.plan
+        for r in range(repeats):
+            k = r % len(self.configs)
+            for c in self.configs[k:] + self.configs[:k]:
+                before = frames()
+                self.turns[c].append(self.runners[c].turn(plan.settle, plan.steps, seed=r + 1))
+                self.compiles[c]["rounds"] += frames() - before
+            _progress(self.options, f"{self.w.name}: round {r + 1}/{repeats} done")
+
+    def measure(self) -> list[str]:
+        """Build, warm up and run the rounds; returns guardtrain's distinct warnings."""
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            self.build()
+            self.warm_up()
+            self.rounds()
+            return _distinct(str(x.message) for x in seen if "guardtrain" in str(x.filename))
+
+    def notes(self) -> dict[str, list[str]]:
+        """Each configuration's notes, with one for a configuration that ran eagerly."""
+        for c in self.configs:
+            if c != "eager" and not sum(self.compiles[c].values()):
+                self.runners[c].notes.append(
+                    "no Dynamo frame compiled: this configuration ran eagerly"
+                )
+        return {c: self.runners[c].notes for c in self.configs if self.runners[c].notes}
+
+    def close(self) -> None:
+        for runner in self.runners.values():
+            runner.close()
+        self.runners.clear()
+
+
+def _failed(w: Workload, options: SuiteOptions, out: dict[str, Any], err: Exception) -> None:
+    """Record the exception being handled in ``out``."""
+    out["error"] = f"{type(err).__name__}: {err}"[:2000]
+    out["traceback"] = traceback.format_exc()[-4000:]
+    _progress(options, f"{w.name}: error {out['error'][:300]}")
+
+
+def _run_workload(w: Workload, options: SuiteOptions) -> dict[str, Any]:
+    plan = _plan(w, options)
+    out = _header(w, options, plan)
     missing = w.missing()
     if missing is not None:
         out["skipped"] = missing
@@ -142,49 +238,20 @@ def _run_workload(w: Workload, options: SuiteOptions) -> dict[str, Any]:
         return out
     torch._dynamo.reset()  # no compiled code of an earlier workload (same classes) is reused
     t0 = time.perf_counter()
-    runners: dict[str, Runner] = {}
-    turns: dict[str, list[Turn]] = {c: [] for c in options.configs}
-    compiles: dict[str, dict[str, int]] = {c: {"warmup": 0, "rounds": 0} for c in options.configs}
-    warm_s: dict[str, float] = {}
-    caught: list[str] = []
+    run = _Run(w, options, plan)
     try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            for c in options.configs:
-                setting = Setting(c, backend, options.tiny, warmup, stable)
-                runners[c] = w.build(setting)
-            for c in options.configs:
-                before, start = frames(), time.perf_counter()
-                runners[c].turn(settle, min(steps, 8), seed=0)
-                warm_s[c] = round(time.perf_counter() - start, 2)
-                compiles[c]["warmup"] = frames() - before
-                _progress(options, f"{w.name}: {c} warmed up in {warm_s[c]} s ({backend})")
-            for r in range(options.repeats):
-                k = r % len(options.configs)
-                for c in options.configs[k:] + options.configs[:k]:
-                    before = frames()
-                    turns[c].append(runners[c].turn(settle, steps, seed=r + 1))
-                    compiles[c]["rounds"] += frames() - before
-                _progress(options, f"{w.name}: round {r + 1}/{options.repeats} done")
-            caught = _distinct(str(x.message) for x in seen if "guardtrain" in str(x.filename))
-        summaries = {c: runners[c].summary() for c in options.configs}
-        for c in options.configs:
-            if c != "eager" and not sum(compiles[c].values()):
-                runners[c].notes.append("no Dynamo frame compiled: this configuration ran eagerly")
-        notes = {c: runners[c].notes for c in options.configs if runners[c].notes}
+        caught = run.measure()
+        summaries = {c: run.runners[c].summary() for c in options.configs}
+        notes = run.notes()
     except Exception as err:
-        out["error"] = f"{type(err).__name__}: {err}"[:2000]
-        out["traceback"] = traceback.format_exc()[-4000:]
-        _progress(options, f"{w.name}: error {out['error'][:300]}")
+        _failed(w, options, out, err)
         return out
     finally:
-        for runner in runners.values():
-            runner.close()
-        runners.clear()
+        run.close()
         torch._dynamo.reset()
     out["wall_s"] = round(time.perf_counter() - t0, 1)
-    out["warmup_s"] = warm_s
-    out["configs"] = _stats(options.configs, turns, compiles, summaries)
+    out["warmup_s"] = run.warm_s
+    out["configs"] = _stats(options.configs, run.turns, run.compiles, summaries)
     if notes:
         out["notes"] = notes
     if caught:
@@ -205,43 +272,48 @@ def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3 if times else float("nan")
 
 
+def _row(
+    turns: list[Turn], compiles: dict[str, int], summary: dict[str, Any] | None
+) -> dict[str, Any]:
+    """One configuration's figures, from its turns."""
+    times = [t for turn in turns for t in turn.times]
+    last_loss = turns[-1].losses[-1] if turns and turns[-1].losses else None
+    row: dict[str, Any] = {
+        "median_ms": round(_median_ms(times), 3),
+        "round_ms": [round(_median_ms(turn.times), 3) for turn in turns],
+        "timed": len(times),
+        "steady_timed": sum(s for turn in turns for s in turn.steady),
+        "dynamo_compiles": compiles,
+        "last_loss": last_loss,
+        "steps_per_turn": [len(turn.losses) for turn in turns],
+    }
+    row["loss_finite"] = last_loss is not None and bool(torch.isfinite(torch.tensor(last_loss)))
+    if summary is not None:
+        row["summary"] = facts(summary)
+    return row
+
+
+def _compare(row: dict[str, Any], plain: dict[str, Any]) -> None:
+    """Add to ``row`` its ratios to plain compile's row: of the medians, and per round."""
+    row["ratio"] = round(row["median_ms"] / plain["median_ms"], 3)
+    per_round = [a / b for a, b in zip(row["round_ms"], plain["round_ms"]) if b]
+    row["ratio_rounds"] = [round(x, 3) for x in per_round]
+    row["ratio_min"] = round(min(per_round), 3) if per_round else None
+    row["ratio_max"] = round(max(per_round), 3) if per_round else None
+
+
 def _stats(
     configs: list[str],
     turns: dict[str, list[Turn]],
     compiles: dict[str, dict[str, int]],
     summaries: dict[str, dict[str, Any] | None],
 ) -> dict[str, Any]:
-    rows: dict[str, Any] = {}
-    for c in configs:
-        times = [t for turn in turns[c] for t in turn.times]
-        row: dict[str, Any] = {
-            "median_ms": round(_median_ms(times), 3),
-            "round_ms": [round(_median_ms(turn.times), 3) for turn in turns[c]],
-            "timed": len(times),
-            "steady_timed": sum(s for turn in turns[c] for s in turn.steady),
-            "dynamo_compiles": compiles[c],
-            "last_loss": turns[c][-1].losses[-1] if turns[c] and turns[c][-1].losses else None,
-            "steps_per_turn": [len(turn.losses) for turn in turns[c]],
-        }
-        row["loss_finite"] = row["last_loss"] is not None and bool(
-            torch.isfinite(torch.tensor(row["last_loss"]))
-        )
-        summary = summaries.get(c)
-        if summary is not None:
-            row["summary"] = facts(summary)
-        rows[c] = row
+    rows = {c: _row(turns[c], compiles[c], summaries.get(c)) for c in configs}
     if PLAIN in rows:
-        plain = rows[PLAIN]
         for c in configs:
-            if c == PLAIN:
-                continue
-            row = rows[c]
-            row["ratio"] = round(row["median_ms"] / plain["median_ms"], 3)
-            per_round = [a / b for a, b in zip(row["round_ms"], plain["round_ms"]) if b]
-            row["ratio_rounds"] = [round(x, 3) for x in per_round]
-            row["ratio_min"] = round(min(per_round), 3) if per_round else None
-            row["ratio_max"] = round(max(per_round), 3) if per_round else None
-            row["losses_vs_plain"] = _loss_diff(turns[c], turns[PLAIN])
+            if c != PLAIN:
+                _compare(rows[c], rows[PLAIN])
+                rows[c]["losses_vs_plain"] = _loss_diff(turns[c], turns[PLAIN])
     return rows
 
 
@@ -321,37 +393,45 @@ def _losses(row: dict[str, Any]) -> str:
 def _cells(w: dict[str, Any], c: str, row: dict[str, Any]) -> list[str]:
     s = row.get("summary")
     dyn = row["dynamo_compiles"]
-    compiles = f"{dyn['warmup']}+{dyn['rounds']}"
     if s is None:
-        return [
-            w["workload"],
-            w["backend"],
-            c,
-            f"{row['median_ms']:.2f}",
-            _ratio(row),
-            "-",
-            compiles,
-            "-",
-            "-",
-            "-",
-            "-",
-            _losses(row),
-        ]
-    caught = ", ".join(f"{k} {v}" for k, v in s["caught_changes"].items()) or "-"
-    return [
-        w["workload"],
-        w["backend"],
-        c,
-        f"{row['median_ms']:.2f}",
-        _ratio(row),
-        f"{row['steady_timed']}/{row['timed']}",
-        compiles,
-        str(s["rearms"]),
-        str(s["full_guard_calls"]),
-        str(s["direct_calls"]),
-        caught,
-        _losses(row),
-    ]
+        steady, counts = "-", ["-", "-", "-", "-"]
+    else:
+        caught = ", ".join(f"{k} {v}" for k, v in s["caught_changes"].items()) or "-"
+        steady = f"{row['steady_timed']}/{row['timed']}"
+        counts = [str(s[k]) for k in ("rearms", "full_guard_calls", "direct_calls")] + [caught]
+    head = [w["workload"], w["backend"], c, f"{row['median_ms']:.2f}", _ratio(row), steady]
+    return [*head, f"{dyn['warmup']}+{dyn['rounds']}", *counts, _losses(row)]
+
+
+def _not_run(w: dict[str, Any]) -> str | None:
+    """The note on a workload that was skipped or raised, else None."""
+    if "skipped" in w:
+        return f"{w['workload']}: skipped: {w['skipped']}"
+    if "error" in w:
+        return f"{w['workload']}: error: {w['error'][:400]}"
+    return None
+
+
+def _workload_notes(w: dict[str, Any]) -> list[str]:
+    """The notes on a workload that ran: its backend, each first re-arm, the runners'."""
+    notes: list[str] = []
+    if w.get("backend_note"):
+        notes.append(f"{w['workload']}: {w['backend_note']}")
+    for c, row in w["configs"].items():
+        s = row.get("summary")
+        if s and s["rearm_reasons"]:
+            notes.append(f"{w['workload']} {c}: first re-arm: {s['rearm_reasons'][0]}")
+    for c, ns in w.get("notes", {}).items():
+        notes.extend(f"{w['workload']} {c}: {n}" for n in ns)
+    return notes
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    """The rows as lines, columns padded, a rule under the first (the header)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * n for n in widths))
+    return lines
 
 
 def format_suite(data: dict[str, Any]) -> str:
@@ -359,32 +439,19 @@ def format_suite(data: dict[str, Any]) -> str:
     rows = [list(HEADER)]
     notes: list[str] = []
     for w in data["workloads"]:
-        if "skipped" in w:
-            notes.append(f"{w['workload']}: skipped: {w['skipped']}")
+        problem = _not_run(w)
+        if problem is not None:
+            notes.append(problem)
             continue
-        if "error" in w:
-            notes.append(f"{w['workload']}: error: {w['error'][:400]}")
-            continue
-        for c, row in w["configs"].items():
-            rows.append(_cells(w, c, row))
-        if w.get("backend_note"):
-            notes.append(f"{w['workload']}: {w['backend_note']}")
-        for c, row in w["configs"].items():
-            s = row.get("summary")
-            if s and s["rearm_reasons"]:
-                notes.append(f"{w['workload']} {c}: first re-arm: {s['rearm_reasons'][0]}")
-        for c, ns in w.get("notes", {}).items():
-            notes.extend(f"{w['workload']} {c}: {n}" for n in ns)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * n for n in widths))
+        rows.extend(_cells(w, c, row) for c, row in w["configs"].items())
+        notes.extend(_workload_notes(w))
     head = (
         f"torch {data['torch']}, {data['threads'] or 'default'} thread(s), {data['date']}; "
         "ms/step: median over all timed steps; /compile: ratio of medians to plain compile "
         "[per-round ratios, min-max]; steady: timed steps guardtrain ran steady; compiles: "
         "Dynamo frames compiled in warm-up + rounds"
     )
-    return "\n".join([head, "", *lines, *([""] if notes else []), *notes])
+    return "\n".join([head, "", *_aligned(rows), *([""] if notes else []), *notes])
 
 
 def check_suite(data: dict[str, Any]) -> list[dict[str, Any]]:
