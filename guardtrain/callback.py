@@ -171,6 +171,7 @@ class GuardTuneCallback(EngineView, Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._engine.activate(pl_module)
+        self._engine.compile_optimizers(trainer.optimizers)  # compile_optimizer=True (H49)
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

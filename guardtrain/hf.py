@@ -198,6 +198,9 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
             return
         self._in_train = True
         self._start_run(args)
+        optimizer = kwargs.get("optimizer")  # accelerate's wrapper: its optimizer (H49)
+        if optimizer is not None:
+            self._engine.compile_optimizers([getattr(optimizer, "optimizer", optimizer)])
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._in_train:

@@ -177,6 +177,7 @@ class GuardTuner(EngineView):
             preset: PresetName = "balanced",
             *,
             fabric: Any = None,
+            optimizers: Any = None,
             **arguments: Unpack[GuardArguments],
         ) -> None: ...
 
@@ -189,17 +190,23 @@ class GuardTuner(EngineView):
             keyword=[
                 inspect.Parameter(
                     "fabric", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Any
-                )
+                ),
+                inspect.Parameter(
+                    "optimizers", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Any
+                ),
             ],
         )
 
-    def _configure(self, model: nn.Module, fabric: Any, *, arguments: dict[str, Any]) -> None:
+    def _configure(
+        self, model: nn.Module, fabric: Any, optimizers: Any, *, arguments: dict[str, Any]
+    ) -> None:
         """The generated ``__init__``'s body: ``arguments`` are the config's fields."""
         if not isinstance(model, nn.Module):
             raise GuardTrainValueError(
                 f"`model` must be an nn.Module, got {model!r} ({type(model).__name__})."
             )
         self.config: GuardConfig = GuardConfig(**arguments)
+        self.optimizers = _optimizers(optimizers, self.config.compile_optimizer)
         self.model = model
         self.fabric = fabric
         self._root: nn.Module = _unwrap(model)
@@ -256,6 +263,7 @@ class GuardTuner(EngineView):
         self._entered = True
         self._loop = Loop.TRAIN.value
         try:
+            self._engine.compile_optimizers(self.optimizers)
             self._engine.loop_start(self._loop)
         except BaseException:
             self._entered = False
@@ -325,6 +333,20 @@ class GuardTuner(EngineView):
 
 
 GuardTuner.__doc__ = document_arguments(GuardTuner.__doc__, GuardConfig)
+
+
+def _optimizers(optimizers: Any, compile_optimizer: bool) -> list[Any]:
+    """``optimizers`` as a list (one optimizer, or a sequence of them; Fabric's wrapped
+    ones unwrapped); required with ``compile_optimizer=True``."""
+    if optimizers is None:
+        if compile_optimizer:
+            raise GuardTrainValueError(
+                "`compile_optimizer=True` needs `optimizers=`: GuardTuner compiles the "
+                "steps of the optimizers passed to it (e.g. `optimizers=[opt]`)."
+            )
+        return []
+    found = [optimizers] if hasattr(optimizers, "param_groups") else list(optimizers)
+    return [getattr(opt, "optimizer", opt) for opt in found]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

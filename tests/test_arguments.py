@@ -276,10 +276,10 @@ def test_every_adapter_takes_guard_config_fields_as_its_arguments() -> None:
         annotation = accepts[0] if accepts else held
         kind = "POSITIONAL_OR_KEYWORD" if f.name == "preset" else "KEYWORD_ONLY"
         expected.append((f.name, annotation, f.default, kind))
-    assert len(expected) == 20
+    assert len(expected) == 21
     for init, own in (
         (GuardTuneCallback.__init__, ("self",)),
-        (GuardTuner.__init__, ("self", "model", "fabric")),
+        (GuardTuner.__init__, ("self", "model", "fabric", "optimizers")),
         *((hf.__init__, ("self",)) for hf in _hf_adapter()),
     ):
         params = _shared_parameters(init, own)
@@ -290,15 +290,16 @@ def test_every_adapter_takes_guard_config_fields_as_its_arguments() -> None:
         assert got == expected, init.__qualname__
     tuner = inspect.signature(GuardTuner.__init__).parameters
     assert list(tuner)[:3] == ["self", "model", "preset"]
-    assert tuner["fabric"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert tuner["fabric"].default is None
+    for own in ("fabric", "optimizers"):
+        assert tuner[own].kind is inspect.Parameter.KEYWORD_ONLY
+        assert tuner[own].default is None
 
 
 def test_every_argument_is_documented_in_every_adapter() -> None:
     """The ``Args:`` sections hold each field's docstring (made from ``GuardConfig``)."""
     source = inspect.getsource(GuardConfig)
     docs = {f.name: f.doc for f in read_fields(source, "GuardConfig") if f.argument}
-    assert len(docs) == 20 and all(docs.values())
+    assert len(docs) == 21 and all(docs.values())
     for adapter in (GuardTuneCallback, GuardTuner, *_hf_adapter()):
         text = inspect.getdoc(adapter) or ""
         assert "{arguments}" not in text

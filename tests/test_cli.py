@@ -56,6 +56,7 @@ SAMPLES: dict[str, list[tuple[str, Any]]] = {
     "verify_rtol": [("0.01", 0.01)],
     "verify_atol": [("0.001", 0.001)],
     "guard_collectives": [("true", True)],
+    "compile_optimizer": [("true", True)],
     "measure_lookup": [("false", False)],
     "lookup_window": [("2", 2)],
     "compile_cache": [(CACHE_FILE, CACHE_FILE)],

@@ -253,6 +253,6 @@ def test_the_tuner_takes_the_callbacks_arguments() -> None:
             if p.name not in skip
         ]
 
-    assert params(GuardTuner.__init__, ("self", "model", "fabric")) == params(
+    assert params(GuardTuner.__init__, ("self", "model", "fabric", "optimizers")) == params(
         GuardTuneCallback.__init__, ("self",)
     )

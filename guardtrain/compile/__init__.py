@@ -29,7 +29,9 @@ Rooms (each file's first docstring line says what it is for):
 * ``target``: ``CompiledTarget``, install and uninstall, what the engine asks of it,
   ``hand_over`` to full guards (H51);
 * ``resolve``: target resolution, each target's ``forward``, nested compile regions;
-* ``takeover``: taking over the user's own compiles.
+* ``takeover``: taking over the user's own compiles;
+* ``optimizer``: an optimizer's step compiled as one frame, run directly while what its
+  guards read holds (``CompiledStep``, ``compile_optimizer=True``, H49).
 
 Imports point one way, from ``target`` down to ``options``, ``trampoline`` and
 ``call_mode``: no module imports one that imports it.

@@ -24,6 +24,8 @@
 * :mod:`~guardtrain.engine.agreement`: how ranks decide together.
 * :mod:`~guardtrain.engine.breaks`: where Dynamo's graph breaks are (reason, file, line).
 * :mod:`~guardtrain.engine.warmstart`: the compile cache saved and loaded (``compile_cache``).
+* :mod:`~guardtrain.engine.optimizers`: the run's compiled optimizer steps
+  (``compile_optimizer=True``).
 """
 
 from guardtrain.engine.agreement import (

@@ -154,6 +154,13 @@ class GuardConfig:
     under the stance); targets are rebuilt on all ranks together, and a
     stance miss (on any rank) is retried with the plain ``forward``."""
 
+    compile_optimizer: bool = False
+    """compile the step of the run's optimizers (``GuardTuner``'s ``optimizers``, the
+    Trainer's own in Lightning) as one frame, and run it directly, below Dynamo's
+    entry path, while nothing its guards read changed (H49,
+    :mod:`guardtrain.compile.optimizer`); put back at the end of the run. Refused for
+    ``LBFGS`` and ``differentiable=True``."""
+
     measure_lookup: bool | None = None
     """``None`` (default): on in single-process runs, off with
     several processes (a DDP child process once ended with "terminate
@@ -247,6 +254,7 @@ class GuardArguments(TypedDict, total=False):
     verify_rtol: float
     verify_atol: float
     guard_collectives: bool
+    compile_optimizer: bool
     measure_lookup: bool | None
     lookup_window: int
     compile_cache: str | os.PathLike[str] | None
@@ -280,7 +288,7 @@ def _levers(preset: str, overrides: dict[str, Any], guard_filter: Any) -> GuardP
 
 def _check_flags(config: GuardConfig) -> None:
     """The bools, the lookup settings and the tolerances; the error names the argument."""
-    for flag in ("unsafe_drop_floor", "log_metrics", "guard_collectives"):
+    for flag in ("unsafe_drop_floor", "log_metrics", "guard_collectives", "compile_optimizer"):
         value = getattr(config, flag)
         if not isinstance(value, bool):
             raise GuardTrainTypeError(f"`{flag}` must be a bool, got {value!r}.")

@@ -27,7 +27,7 @@ goes. The engine imports no Lightning: it talks to the outside through a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from torch import nn
 
@@ -49,7 +49,7 @@ __all__ = ["GuardEngine"]
 
 # The engine's whole contract with its adapters (every entry point and all it shows
 # them) stays in one class; the work is done by the parts it holds.
-# Lines 349: the contract is its seam.
+# Lines 357: the contract is its seam.
 class GuardEngine:
     """One adapter's runs: compiled targets, phases, checks, the stance and the report.
 
@@ -281,8 +281,16 @@ class GuardEngine:
         r.lookup.stop()
         self._repairs.stop_checking()
         self._repairs.set_steady(False)
+        r.optimizers.restore()
         r.dynamo.restore()
         r.targets.restore()
+
+    def compile_optimizers(self, optimizers: Iterable[Any]) -> None:
+        """With ``compile_optimizer=True``, compile the steps of the run's ``optimizers``
+        (after :meth:`activate`; :meth:`restore` puts them back, H49)."""
+        r = self.run
+        if r.state.active and r.config.compile_optimizer:
+            r.optimizers.install(optimizers, r.config.compile_kwargs)
 
     def finish(self) -> None:
         """End the run: name targets that ran uncompiled, restore, save the compile cache

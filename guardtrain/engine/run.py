@@ -20,6 +20,7 @@ from guardtrain.engine.handover import Ledger
 from guardtrain.engine.host import Host
 from guardtrain.engine.levers import Levers
 from guardtrain.engine.lookup import LookupWindows
+from guardtrain.engine.optimizers import OptimizerSteps
 from guardtrain.engine.phases import Loop, PhaseMachine
 from guardtrain.engine.process import PROCESS, DynamoSettings
 from guardtrain.engine.targets import Hooks, TargetSet
@@ -93,6 +94,8 @@ class Run:
     """Counters of earlier runs (a checkpoint, or earlier trainer calls)."""
     ledger: Ledger = field(default_factory=Ledger)
     """What the hand-over decisions read: rebuilds, the checks' cost (H51)."""
+    optimizers: OptimizerSteps = field(default_factory=OptimizerSteps)
+    """The compiled optimizer steps (``compile_optimizer=True``, H49)."""
 
     @classmethod
     def first(cls, config: GuardConfig, host: Host, hooks: Hooks) -> Run:

@@ -75,6 +75,7 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "graph_breaks": [dict(b) for b in ts.graph_breaks],
         "disabled": e.config.disabled,
         "compile_cache": warmstart.summary(compile_cache),
+        "optimizers": e.optimizers.summary(),
     }
 
 
@@ -264,6 +265,7 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{lookup['steady']:.1f} under the stance (guard + pre-graph, profiled)"
         )
     lines += _direct_lines(s.get("direct_dispatch") or {})
+    lines += _optimizer_lines(s.get("optimizers") or [])
     lines += _code_lines(s)
     lines += _state_lines(s)
     return "\n".join(lines)
@@ -282,6 +284,22 @@ def _direct_lines(direct: dict[str, Any]) -> list[str]:
         lines = [f"  direct dispatch  refused: {direct.get('refused')}"]
     for t in direct.get("refused_targets", []):
         lines.append(f"    not for {t['target']}: {t['why']}")
+    return lines
+
+
+def _optimizer_lines(optimizers: list[dict[str, Any]]) -> list[str]:
+    """The table's lines on compiled optimizer steps (``compile_optimizer=True``)."""
+    lines = []
+    for i, o in enumerate(optimizers):
+        if o["eager"]:
+            lines.append(f"  optimizer {i}      {o['optimizer']}: uncompiled ({o['eager']})")
+            continue
+        changed = ", ".join(f"{k} {n}" for k, n in o["changes"].items()) or "none"
+        lines.append(
+            f"  optimizer {i}      {o['optimizer']}: {o['direct_steps']} steps direct, "
+            f"{o['full_guard_steps']} with full guards, {o['compiles']} compiles; "
+            f"changes: {changed}"
+        )
     return lines
 
 

@@ -1,0 +1,69 @@
+"""The run's compiled optimizer steps (``compile_optimizer=True``, H49): install, restore,
+and what ``summary()["optimizers"]`` shows.
+
+The adapters hand the optimizers over when the run starts (``GuardTuner``'s
+``optimizers``, the Trainer's own in Lightning); each gets a
+:class:`~guardtrain.compile.optimizer.CompiledStep`, installed as the optimizer's
+``step`` and taken out when the run ends, also after an exception.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from guardtrain.compile.optimizer import CompiledStep, install, refusal, uninstall
+from guardtrain.errors import GuardTrainValueError
+
+__all__ = ["OptimizerSteps"]
+
+
+@dataclass(slots=True)
+class OptimizerSteps:
+    """The compiled steps an engine made, kept from run to run (their compiled code with
+    them, as the targets', H28), and the ones installed now."""
+
+    steps: list[CompiledStep] = field(default_factory=list)
+    """Every optimizer's compiled step, in the order first given."""
+    installed: list[CompiledStep] = field(default_factory=list)
+    """Installed for the current run."""
+
+    def install(self, optimizers: Iterable[Any], compile_kwargs: dict[str, Any]) -> None:
+        """Compile each optimizer's step (or take the one an earlier run made) and install
+        it; every optimizer is checked before any is installed.
+
+        Raises:
+            GuardTrainValueError: an optimizer that cannot be compiled (LBFGS, one with
+                ``differentiable=True``, not a ``torch.optim.Optimizer``), or one given
+                twice.
+        """
+        optimizers = list(optimizers)
+        for i, opt in enumerate(optimizers):
+            why = refusal(opt)
+            if why is not None:
+                raise GuardTrainValueError(
+                    f"`compile_optimizer=True` cannot compile optimizer {i} ({why}): pass "
+                    "`compile_optimizer=False`, or leave it out of `optimizers`."
+                )
+            if any(opt is other for other in optimizers[:i]):
+                raise GuardTrainValueError(
+                    f"`optimizers`: optimizer {i} ({type(opt).__name__}) is given twice."
+                )
+        for opt in optimizers:
+            step = next((s for s in self.steps if s.optimizer is opt), None)
+            if step is None:
+                step = CompiledStep(opt, compile_kwargs)
+                self.steps.append(step)
+            install(step)
+            self.installed.append(step)
+
+    def restore(self) -> None:
+        """Each optimizer's own ``step`` back."""
+        for step in self.installed:
+            uninstall(step)
+        self.installed.clear()
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per optimizer: its class, compiles, direct and full-guard steps, the changes
+        that sent a step to full guards (or were served directly), why it ran eagerly."""
+        return [step.summary() for step in self.steps]

@@ -1,0 +1,372 @@
+"""``compile_optimizer=True``: the optimizer step compiled as one frame and run directly
+while nothing its guards read changed (H49, :mod:`guardtrain.compile.optimizer`).
+
+Each run is compared step by step with the same loop whose step is compiled the plain way
+(``torch.compile(opt.step)``), bitwise with ``aot_eager``, and with the eager optimizer
+within Dynamo's rounding: the weights after every step. The changes full guards would
+refuse are made mid-run: a scheduled float ``lr`` (which the step then serves directly),
+a frozen parameter, gradients ``None`` on some steps, a new param group, a checkpoint
+resume (``load_state_dict``), the state the first step creates, clipping. Lightning runs
+with automatic and manual optimization.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any, Callable
+
+import lightning as L
+import pytest
+import torch
+from helpers import assert_restored, guard, guard_tuner, make_trainer
+from torch import nn
+
+from guardtrain.errors import GuardTrainValueError
+
+AOT = {"backend": "aot_eager"}
+STEPS = 14
+WARMUP = {"warmup_steps": 2, "stable_steps": 1}
+
+
+class Net(nn.Module):
+    """Two branches: ``side`` is used on even steps only (its gradients are ``None`` on odd
+    steps after ``zero_grad()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.side = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, use_side: bool = True) -> torch.Tensor:
+        out = self.body(x)
+        return out + self.side(x) if use_side else out
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.01)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def make_schedule(name: str | None, opt: torch.optim.Optimizer) -> Any:
+    if name == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    if name == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=0.05, total_steps=STEPS + 2, cycle_momentum=False
+        )
+    return None
+
+
+def loop(
+    how: str,
+    optimizer: str = "adam",
+    schedule: str | None = None,
+    change: Callable[[int, Net, torch.optim.Optimizer], None] | None = None,
+    side_every: int = 1,
+    clip: bool = False,
+) -> tuple[list[list[torch.Tensor]], dict[str, Any] | None]:
+    """``how``: ``"eager"``, ``"plain"`` (``torch.compile(opt.step)``, aot_eager) or a
+    preset with ``compile_optimizer=True``. The weights after every step, the summary."""
+    torch._dynamo.reset()
+    model = Net()
+    opt = make_optimizer(optimizer, model.parameters())
+    sched = make_schedule(schedule, opt)
+    step = torch.compile(opt.step, **AOT) if how == "plain" else opt.step
+    tuner = None
+    if how not in ("eager", "plain"):
+        tuner = guard_tuner(
+            model, how, compile_kwargs=AOT, compile_optimizer=True, optimizers=[opt], **WARMUP
+        )
+    g = torch.Generator().manual_seed(1)
+    weights = []
+    with tuner if tuner is not None else torch.enable_grad():
+        for i in range(STEPS):
+            x = torch.randn(4, 8, generator=g)
+            with tuner.step((x,)) if tuner is not None else torch.enable_grad():
+                model(x, use_side=i % side_every == 0).square().mean().backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                step() if how == "plain" else opt.step()
+                opt.zero_grad()
+            if sched is not None:
+                sched.step()
+            if change is not None:
+                change(i, model, opt)
+            weights.append([p.detach().clone() for p in model.parameters()])
+    return weights, tuner.summary() if tuner is not None else None
+
+
+def assert_same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]], exact: bool) -> None:
+    assert len(a) == len(b)
+    for i, (wa, wb) in enumerate(zip(a, b)):
+        for j, (x, y) in enumerate(zip(wa, wb)):
+            if exact:
+                assert torch.equal(x, y), f"step {i}, parameter {j}: not bitwise equal"
+            else:
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=f"step {i}, {j}")
+
+
+def compare(preset: str = "aggressive", **kwargs: Any) -> dict[str, Any]:
+    """The preset's run against plain compile (bitwise) and eager (allclose); its
+    optimizer's summary."""
+    plain, _ = loop("plain", **kwargs)
+    eager, _ = loop("eager", **kwargs)
+    got, s = loop(preset, **kwargs)
+    assert s is not None
+    assert_same(plain, got, exact=True)
+    assert_same(eager, got, exact=False)
+    assert_restored()
+    (o,) = s["optimizers"]
+    assert o["eager"] is None, o
+    return o  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+def test_steady_steps_run_directly(optimizer: str, preset: str) -> None:
+    o = compare(preset, optimizer=optimizer)
+    # The first step has no state, the second creates it (SGD's momentum buffer): then
+    # every step runs the harvested entry directly.
+    assert o["direct_steps"] >= STEPS - 2, o
+    assert o["full_guard_steps"] <= 2 and o["compiles"] <= 2, o
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+@pytest.mark.parametrize("schedule", ["lambda", "onecycle"])
+def test_a_scheduled_float_lr_costs_one_recompile_then_runs_directly(
+    optimizer: str, schedule: str
+) -> None:
+    """Dynamo recompiles at the second value and takes the lr as an input from then on:
+    each later value is served directly (the entry guards only that it is not NaN)."""
+    o = compare(optimizer=optimizer, schedule=schedule)
+    assert o["compiles"] <= 2, o
+    assert o["changes"].get("hyperparameters, served directly", 0) >= STEPS - 4, o
+    assert o["direct_steps"] >= STEPS - 3, o
+
+
+def test_sgd_with_a_scheduled_float_lr_is_pinned_by_each_value() -> None:
+    """SGD's update specialises on the float lr (``add_(alpha=-lr)``): every new value is
+    a change that full guards refuse, as with plain compile, until Dynamo's recompile
+    limit, where the step runs uncompiled, as plain compile then runs it. Never stale."""
+    plain, _ = loop("plain", optimizer="sgd", schedule="lambda")
+    got, s = loop("aggressive", optimizer="sgd", schedule="lambda")
+    assert s is not None
+    assert_same(plain, got, exact=True)
+    (o,) = s["optimizers"]
+    assert o["direct_steps"] == 0 and "hyperparameters, served directly" not in o["changes"]
+
+
+def _freeze(i: int, model: Net, opt: torch.optim.Optimizer) -> None:
+    if i == 5:
+        model.body[0].weight.requires_grad_(False)
+    if i == 9:
+        model.body[0].weight.requires_grad_(True)
+
+
+def _add_group(i: int, model: Net, opt: torch.optim.Optimizer) -> None:
+    if i == 4:  # `side` trained with its own lr from now on
+        side = set(map(id, model.side.parameters()))
+        opt.param_groups[0]["params"] = [p for p in model.parameters() if id(p) not in side]
+        opt.add_param_group({"params": list(model.side.parameters()), "lr": 0.003})
+
+
+def _reload(i: int, model: Net, opt: torch.optim.Optimizer) -> None:
+    if i == 6:  # a checkpoint resume: the same values in new state tensors
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def _hyper(i: int, model: Net, opt: torch.optim.Optimizer) -> None:
+    if i == 5:
+        opt.param_groups[0]["betas"] = (0.8, 0.99)
+    if i == 8:
+        opt.param_groups[0]["weight_decay"] = 0.1
+
+
+@pytest.mark.parametrize(
+    ("change", "seen"),
+    [
+        (_freeze, "gradients None"),
+        (_add_group, "param_groups"),
+        (_reload, "param_groups"),
+        (_hyper, "hyperparameters"),
+    ],
+)
+def test_a_change_full_guards_refuse_runs_with_full_guards(
+    change: Callable[..., None], seen: str
+) -> None:
+    o = compare(change=change)
+    assert o["changes"].get(seen, 0) >= 1, o
+    assert o["direct_steps"] >= STEPS - 6, o
+
+
+def test_gradients_none_on_some_steps_and_clipping() -> None:
+    o = compare(side_every=2, clip=True)
+    # Each switch between "side has gradients" and "side has none" is a change; both
+    # entries are compiled once, and the step after each switch runs with full guards.
+    assert o["changes"].get("gradients None", 0) >= STEPS // 2 - 2, o
+    assert o["compiles"] <= 3, o
+
+
+def test_resumed_from_a_checkpoint_gives_the_eager_weights(tmp_path: Any) -> None:
+    """Two runs: the second loads the model and optimizer saved by the first, each with
+    the step compiled; the weights match an eager run of all the steps."""
+    eager, _ = loop("eager", schedule="lambda")
+    torch._dynamo.reset()
+    model = Net()
+    opt = make_optimizer("adam", model.parameters())
+    sched = make_schedule("lambda", opt)
+    g = torch.Generator().manual_seed(1)
+    got = []
+    for part in (range(0, 7), range(7, STEPS)):
+        if part.start:
+            saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+            model = Net()
+            opt = make_optimizer("adam", model.parameters())
+            sched = make_schedule("lambda", opt)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            sched.load_state_dict(saved["sched"])
+        tuner = guard_tuner(
+            model, "aggressive", compile_kwargs=AOT, compile_optimizer=True, optimizers=opt
+        )
+        with tuner:
+            for _ in part:
+                x = torch.randn(4, 8, generator=g)
+                with tuner.step((x,)):
+                    model(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                sched.step()
+                got.append([p.detach().clone() for p in model.parameters()])
+        torch.save(
+            {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()},
+            tmp_path / "ckpt.pt",
+        )
+        assert tuner.summary()["optimizers"][0]["direct_steps"] >= 3
+    assert_same(eager, got, exact=False)
+
+
+def test_refused_optimizers_and_missing_optimizers() -> None:
+    model = Net()
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    refused = pytest.raises(GuardTrainValueError, match=r"cannot compile optimizer 0 \(LBFGS")
+    with refused, guard_tuner(model, compile_optimizer=True, optimizers=[lbfgs]):
+        pass
+    assert "step" not in lbfgs.__dict__
+    assert_restored()
+    with pytest.raises(GuardTrainValueError, match=re.escape("needs `optimizers=`")):
+        guard_tuner(model, compile_optimizer=True)
+    opt = torch.optim.Adam(model.parameters())
+    twice = pytest.raises(GuardTrainValueError, match="given twice")
+    with twice, guard_tuner(model, compile_optimizer=True, optimizers=[opt, opt]):
+        pass
+    assert "step" not in opt.__dict__
+
+
+def test_off_by_default_and_put_back_after_an_error() -> None:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters())
+    with guard_tuner(model, optimizers=[opt]) as tuner:
+        assert "step" not in opt.__dict__  # compile_optimizer=False: untouched
+    assert tuner.summary()["optimizers"] == []
+    boom = pytest.raises(RuntimeError, match="boom")
+    with boom, guard_tuner(model, compile_optimizer=True, optimizers=[opt]):
+        assert "step" in opt.__dict__
+        raise RuntimeError("boom")
+    assert "step" not in opt.__dict__
+    assert_restored()
+
+
+# -- Lightning -------------------------------------------------------------------------------
+
+
+class LitNet(L.LightningModule):
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.net = Net()
+        self.automatic_optimization = not manual
+        self.seen: list[list[torch.Tensor]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        (x,) = batch
+        loss = self.net(x).square().mean()
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()  # type: ignore[union-attr]
+            self.manual_backward(loss)
+            opt.step()  # type: ignore[union-attr]
+            self.lr_schedulers().step()  # type: ignore[union-attr]
+        return loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seen.append([p.detach().clone() for p in self.net.parameters()])
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def lightning_run(manual: bool, preset: str | None) -> tuple[list[Any], dict[str, Any] | None]:
+    torch._dynamo.reset()
+    model = LitNet(manual)
+    callbacks = []
+    if preset is not None:
+        callbacks = [guard(preset, compile_kwargs=AOT, compile_optimizer=True, **WARMUP)]
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(4 * STEPS, 8, generator=g))
+    L.seed_everything(0, verbose=False)
+    make_trainer(callbacks, max_epochs=1).fit(
+        model, torch.utils.data.DataLoader(data, batch_size=4)
+    )
+    return model.seen, callbacks[0].summary() if callbacks else None
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_lightning_optimization(manual: bool) -> None:
+    eager, _ = lightning_run(manual, None)
+    got, s = lightning_run(manual, "aggressive")
+    assert s is not None
+    assert_same(eager, got, exact=False)
+    (o,) = s["optimizers"]
+    assert o["optimizer"] == "Adam" and o["eager"] is None, o
+    assert o["direct_steps"] >= STEPS - 3, o
+    assert_restored()
+
+
+# -- the Hugging Face Trainer ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_hf_trainer_optimizer(tmp_path: Any, optim: str) -> None:
+    """The Trainer's AdamW under its linear schedule (a float lr, a new value every step),
+    through accelerate's optimizer wrapper: weights as eager's, steps run directly. The
+    fused AdamW (the Trainer's default) is one kernel that Dynamo will not trace: it runs
+    uncompiled, and the summary says why."""
+    pytest.importorskip("transformers")
+    from hf_helpers import assert_same_weights, run_pair
+    from hf_helpers import guard as hf_guard
+
+    cb = hf_guard(compile_optimizer=True)
+    eager, guarded = run_pair(tmp_path, cb, optim=optim)
+    assert_same_weights(eager.model, guarded.model, atol=1e-4)
+    (o,) = cb.summary()["optimizers"]
+    assert o["optimizer"] == "AdamW", o
+    if optim == "adamw_torch_fused":
+        assert "fused" in (o["eager"] or ""), o
+    else:
+        assert o["eager"] is None and o["direct_steps"] >= 4, o
+    inner = guarded.optimizer.optimizer  # accelerate's wrapper: its step is the class's again
+    assert "step" not in inner.__dict__ or inner.__dict__["step"].__func__ is not _installed()
+    assert_restored()
+
+
+def _installed() -> Any:
+    from guardtrain.compile import optimizer
+
+    return optimizer._step
