@@ -370,3 +370,18 @@ def _installed() -> Any:
     from guardtrain.compile import optimizer
 
     return optimizer._step
+
+
+def test_one_live_run_at_a_time_compiles_an_optimizer() -> None:
+    from guardtrain.errors import GuardTrainRuntimeError
+
+    opt = torch.optim.Adam(Net().parameters())
+    with guard_tuner(Net(), compile_optimizer=True, optimizers=[opt]):
+        step = opt.__dict__["step"]
+        second = guard_tuner(Net(), compile_optimizer=True, optimizers=[opt])
+        taken = pytest.raises(GuardTrainRuntimeError, match="already compiled by another live")
+        with taken, second:
+            pass
+        assert opt.__dict__["step"] is step  # the first run's, untouched
+    assert "step" not in opt.__dict__
+    assert_restored()

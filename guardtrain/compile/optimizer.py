@@ -57,6 +57,7 @@ from guardtrain.compile.trampoline import (
     new_trampoline,
     trampoline_function,
 )
+from guardtrain.errors import GuardTrainRuntimeError
 from guardtrain.guardcheck import check as _guard_check
 
 __all__ = ["CompiledStep", "Snapshot", "Values", "install", "refusal", "uninstall"]
@@ -391,7 +392,10 @@ def install(step: CompiledStep) -> None:
     already there (an LR scheduler's wrapper) is put back then."""
     opt = step.optimizer
     if opt in _INSTALLED:
-        raise RuntimeError(f"the step of this {step.name} is already compiled by another run")
+        raise GuardTrainRuntimeError(
+            f"The step of this {step.name} is already compiled by another live run "
+            "(`compile_optimizer=True`): one run at a time may compile an optimizer."
+        )
     _INSTALLED[opt] = step
     step.previous = opt.__dict__.get("step", _MISSING)
     step.method = opt.__dict__["step"] = types.MethodType(_step, opt)
