@@ -69,6 +69,7 @@ def loop(
     change: Callable[[int, Net, torch.optim.Optimizer], None] | None = None,
     side_every: int = 1,
     clip: bool = False,
+    scaler: bool = False,
 ) -> tuple[list[list[torch.Tensor]], dict[str, Any] | None]:
     """``how``: ``"eager"``, ``"plain"`` (``torch.compile(opt.step)``, aot_eager) or a
     preset with ``compile_optimizer=True``. The weights after every step, the summary."""
@@ -77,6 +78,9 @@ def loop(
     opt = make_optimizer(optimizer, model.parameters())
     sched = make_schedule(schedule, opt)
     step = torch.compile(opt.step, **AOT) if how == "plain" else opt.step
+    scale = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
+    if scale is not None and how == "plain":
+        opt.step = step  # type: ignore[method-assign]  # what the scaler calls
     tuner = None
     if how not in ("eager", "plain"):
         tuner = guard_tuner(
@@ -88,10 +92,17 @@ def loop(
         for i in range(STEPS):
             x = torch.randn(4, 8, generator=g)
             with tuner.step((x,)) if tuner is not None else torch.enable_grad():
-                model(x, use_side=i % side_every == 0).square().mean().backward()
+                loss = model(x, use_side=i % side_every == 0).square().mean()
+                (scale.scale(loss) if scale is not None else loss).backward()
+                if scale is not None:
+                    scale.unscale_(opt)
                 if clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-                step() if how == "plain" else opt.step()
+                if scale is not None:
+                    scale.step(opt)
+                    scale.update()
+                else:
+                    step() if how == "plain" else opt.step()
                 opt.zero_grad()
             if sched is not None:
                 sched.step()
@@ -212,6 +223,13 @@ def test_gradients_none_on_some_steps_and_clipping() -> None:
     assert o["compiles"] <= 3, o
 
 
+def test_grad_scaler_with_clipping() -> None:
+    """``GradScaler``: scaled backward, ``unscale_`` in place, clipping, then the scaler
+    calls ``opt.step()`` (when no gradient is inf), which runs directly."""
+    o = compare(scaler=True, clip=True)
+    assert o["direct_steps"] >= STEPS - 2, o
+
+
 def test_resumed_from_a_checkpoint_gives_the_eager_weights(tmp_path: Any) -> None:
     """Two runs: the second loads the model and optimizer saved by the first, each with
     the step compiled; the weights match an eager run of all the steps."""
@@ -286,10 +304,11 @@ def test_off_by_default_and_put_back_after_an_error() -> None:
 
 
 class LitNet(L.LightningModule):
-    def __init__(self, manual: bool = False) -> None:
+    def __init__(self, manual: bool = False, change: Callable[..., None] | None = None) -> None:
         super().__init__()
         self.net = Net()
         self.automatic_optimization = not manual
+        self.change = change
         self.seen: list[list[torch.Tensor]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -303,8 +322,10 @@ class LitNet(L.LightningModule):
             self.lr_schedulers().step()  # type: ignore[union-attr]
         return loss
 
-    def on_train_batch_end(self, *args: Any) -> None:
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.seen.append([p.detach().clone() for p in self.net.parameters()])
+        if self.change is not None:
+            self.change(batch_idx, self.net, self.trainer.optimizers[0])
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.Adam(self.parameters(), lr=0.01)
@@ -312,9 +333,11 @@ class LitNet(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def lightning_run(manual: bool, preset: str | None) -> tuple[list[Any], dict[str, Any] | None]:
+def lightning_run(
+    manual: bool, preset: str | None, change: Callable[..., None] | None = None
+) -> tuple[list[Any], dict[str, Any] | None]:
     torch._dynamo.reset()
-    model = LitNet(manual)
+    model = LitNet(manual, change)
     callbacks = []
     if preset is not None:
         callbacks = [guard(preset, compile_kwargs=AOT, compile_optimizer=True, **WARMUP)]
@@ -328,14 +351,25 @@ def lightning_run(manual: bool, preset: str | None) -> tuple[list[Any], dict[str
 
 
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
-def test_lightning_optimization(manual: bool) -> None:
-    eager, _ = lightning_run(manual, None)
-    got, s = lightning_run(manual, "aggressive")
+@pytest.mark.parametrize(
+    ("change", "seen"),
+    [(None, None), (_freeze, "gradients None"), (_reload, "param_groups"), (_hyper, None)],
+    ids=["scheduled-lr", "freeze", "load_state_dict", "hyperparameters"],
+)
+def test_lightning_optimization(
+    manual: bool, change: Callable[..., None] | None, seen: str | None
+) -> None:
+    """A scheduled float lr (``interval="step"``), and the changes of the loop tests made
+    in ``on_train_batch_end``: weights as eager's after every step."""
+    eager, _ = lightning_run(manual, None, change)
+    got, s = lightning_run(manual, "aggressive", change)
     assert s is not None
     assert_same(eager, got, exact=False)
     (o,) = s["optimizers"]
     assert o["optimizer"] == "Adam" and o["eager"] is None, o
-    assert o["direct_steps"] >= STEPS - 3, o
+    assert o["direct_steps"] >= STEPS - 6, o
+    if seen is not None:
+        assert o["changes"].get(seen, 0) >= 1, o
     assert_restored()
 
 
