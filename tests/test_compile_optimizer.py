@@ -419,3 +419,25 @@ def test_one_live_run_at_a_time_compiles_an_optimizer() -> None:
         assert opt.__dict__["step"] is step  # the first run's, untouched
     assert "step" not in opt.__dict__
     assert_restored()
+
+
+def test_bench_optimizer_step(tmp_path: Any) -> None:
+    """``guardtrain bench --optimizer-step``: the four configurations interleaved, their
+    ratios to plain compile, and the compiled steps' summaries (timing is not tested)."""
+    import json
+
+    from guardtrain.bench.command import main
+    from guardtrain.bench.optimizer import CONFIGS
+
+    out = tmp_path / "opt.json"
+    argv = ["--optimizer-step", "--tiny", "--backend", "aot_eager", "--steps", "3"]
+    assert main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert list(data["rows"]) == list(CONFIGS)
+    assert data["rows"]["plain compile"]["ratio"] == 1.0
+    assert all(row["median_us"] > 0 for row in data["rows"].values())
+    (direct,) = data["optimizers"]["guardtrain"]
+    (full,) = data["optimizers"]["guardtrain, full guards"]
+    assert direct["direct_steps"] > 0 and full["direct_steps"] == 0, data["optimizers"]
+    assert full["full_guard_steps"] == 6 + 3 * 1  # warm-up steps, then one per round
+    assert_restored()

@@ -79,6 +79,16 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", default="aggressive", help="preset for --callback-cost")
     p.add_argument(
+        "--optimizer-step",
+        action="store_true",
+        help="time the optimizer step instead: eager foreach Adam, plain compile and "
+        "compile_optimizer=True, interleaved (--steps timed steps, default 200; --tiny; "
+        "--no-schedule: a constant lr); see docs/bench.md",
+    )
+    p.add_argument(
+        "--no-schedule", action="store_true", help="with --optimizer-step: a constant lr"
+    )
+    p.add_argument(
         "--workload",
         action="append",
         metavar="NAME",
@@ -119,6 +129,36 @@ def _callback_cost(args: argparse.Namespace) -> int:
         met, line = checks.check_callback_cost(data)
         data.update(target_us=checks.CALLBACK_COST_TARGET_US, target_met=met)
         print(f"\n{line}")
+        status = 0 if met else 1
+    if args.json:
+        report.write_json(args.json, data)
+    return status
+
+
+def _optimizer_step(args: argparse.Namespace) -> int:
+    """``--optimizer-step``: the table; with ``--check``, guardtrain's step at or below plain
+    compile's (exit 1 otherwise)."""
+    from guardtrain.bench.optimizer import format_optimizer_step, optimizer_step
+
+    if args.steps is not None and args.steps < 1:
+        raise GuardTrainValueError(f"--steps must be at least 1, got {args.steps}.")
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        data = optimizer_step(
+            args.backend, args.steps or 200, schedule=not args.no_schedule, tiny=args.tiny
+        )
+    finally:
+        torch.set_num_threads(threads)
+    print(format_optimizer_step(data))
+    status = 0
+    if args.check:
+        ratio = data["rows"]["guardtrain"]["ratio"]
+        met = ratio <= 1.0
+        print(
+            f"\noptimizer step, guardtrain / plain compile: {ratio:.3f}, {'met' if met else 'NOT met'}"
+        )
         status = 0 if met else 1
     if args.json:
         report.write_json(args.json, data)
@@ -173,6 +213,7 @@ _NOT_WITH_WORKLOAD = (
     ("calls", "--calls"),
     ("plot", "--plot"),
     ("callback_cost", "--callback-cost"),
+    ("optimizer_step", "--optimizer-step"),
 )
 
 
@@ -244,6 +285,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m guardtrain.be
             report.require_matplotlib()
         if args.callback_cost:
             return _callback_cost(args)
+        if args.optimizer_step:
+            return _optimizer_step(args)
         return _bench(args, command)
     except GuardTrainValueError as err:
         parser.error(str(err))
