@@ -320,7 +320,8 @@ def run_hf(tmp_path: Path, preset: str | None) -> dict[str, Any]:
     strict=True,
     reason="torch 2.15: in the first step the backward's recomputation of a checkpointed "
     "block saves fewer tensors than its forward (CheckpointError, pytorch#166926: another "
-    "compiled graph chosen); plain model.compile() runs this loop. Open, docs/versions.md",
+    "compiled graph chosen), with or without the toggle, also before H46; plain "
+    "model.compile() runs this loop. Open, docs/versions.md",
 )
 def test_a_change_repeated_every_step_stops_rebuilding_in_the_hf_trainer(tmp_path: Path) -> None:
     eager = run_hf(tmp_path, None)
