@@ -70,6 +70,7 @@ from test_dpo import BETA, adapter_weights, pairs, sequence_logps, tiny_lora_lla
 from guardtrain import versions
 
 pytestmark = [
+    pytest.mark.slow,  # about 10 minutes here (24-step DPO runs that rebuild): the full suite
     pytest.mark.filterwarnings(
         "ignore::FutureWarning"
     ),  # transformers 5's gradient_checkpointing_*
