@@ -441,3 +441,48 @@ def test_bench_optimizer_step(tmp_path: Any) -> None:
     assert direct["direct_steps"] > 0 and full["direct_steps"] == 0, data["optimizers"]
     assert full["full_guard_steps"] == 6 + 3 * 1  # warm-up steps, then one per round
     assert_restored()
+
+
+class CountingSGD(torch.optim.Optimizer):
+    """A custom optimizer whose state holds a Python counter that its update reads: Dynamo
+    pins its value at first (an entry that never runs directly: the snapshot does not
+    compare state values), then takes it as an input."""
+
+    def __init__(self, params: Any, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["count"] = state.get("count", 0) + 1
+                p.add_(p.grad, alpha=-group["lr"] / state["count"])
+        return None
+
+
+def test_a_custom_optimizer_with_plain_state_values_gives_the_eager_weights() -> None:
+    def run(how: str) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        model = Net()
+        opt = CountingSGD(model.parameters())
+        tuner = None
+        if how == "guard":
+            tuner = guard_tuner(model, compile_kwargs=AOT, compile_optimizer=True, optimizers=opt)
+        g = torch.Generator().manual_seed(1)
+        with tuner if tuner is not None else torch.enable_grad():
+            for _ in range(8):
+                x = torch.randn(4, 8, generator=g)
+                with tuner.step((x,)) if tuner is not None else torch.enable_grad():
+                    model(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+        if tuner is not None:
+            (o,) = tuner.summary()["optimizers"]
+            assert o["full_guard_steps"] >= 3, o  # the entry that pinned count=1 never ran directly
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run("eager"), run("guard")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -189,6 +189,9 @@ _NOT_NAN = re.compile(
 )
 
 
+_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Values:
     """What one compile's guards assert of the param groups' values: the ``(group, key)``
@@ -197,24 +200,32 @@ class Values:
 
     pinned: frozenset[tuple[int, str]]
     inputs: frozenset[tuple[int, str]]
+    state_values: bool = False
+    """A guard reads a plain value of the per-parameter state (a custom optimizer's Python
+    counter, pinned or symbolic): the snapshot does not compare those, so the entry
+    never runs directly."""
 
     @classmethod
     def of(cls, guards: list[Any]) -> Values:
         """From the guards a compile passes to its guard filter."""
         pinned: set[tuple[int, str]] = set()
         symbolic: set[tuple[int, str]] = set()
+        state_values = False
         for guard in guards:
+            if ".state[" in guard.name and guard.guard_type in _VALUE_GUARDS:
+                state_values = True
             if guard.guard_type == "SHAPE_ENV":
                 for text in getattr(guard.orig_guard, "code_list", None) or ["?"]:
                     found = {(int(i), k) for i, k in _SHAPE_SOURCE.findall(text)}
                     (symbolic if _NOT_NAN.match(text) else pinned).update(found)
+                    state_values = state_values or ".state[" in text
                 continue
             match = _GROUP.match(guard.name)
             if match is None:
                 continue
             if guard.name != match[0] or guard.guard_type != "TYPE_MATCH":
                 pinned.add((int(match[1]), match[2]))
-        return cls(frozenset(pinned), frozenset(symbolic - pinned))
+        return cls(frozenset(pinned), frozenset(symbolic - pinned), state_values)
 
 
 def _same(now: Any, then: Any) -> bool:
@@ -355,6 +366,10 @@ class CompiledStep:
                 break
         if self.recorded:  # this step compiled: the newest entry is its
             self.values[id(cache_entry_list(self.trampoline)[0].code)] = self.recorded[-1]
+        values = self.values.get(id(self.direct_code))
+        if values is None or values.state_values:
+            # What the entry's guards read is not all in the snapshot: full guards.
+            self.direct = self.direct_code = None
 
     def summary(self) -> dict[str, Any]:
         """The facts ``summary()["optimizers"]`` shows for this optimizer."""
