@@ -45,12 +45,13 @@ import math
 import re
 import types
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.optim.optimizer as _optimizer
 
 from guardtrain.compile.direct import live_codes
+from guardtrain.compile.options import build_compile_kwargs
 from guardtrain.compile.trampoline import (
     TRAMPOLINE_GLOBALS,
     cache_entry_list,
@@ -206,7 +207,7 @@ class Values:
     never runs directly."""
 
     @classmethod
-    def of(cls, guards: list[Any]) -> Values:
+    def of(cls, guards: Sequence[Any]) -> Values:
         """From the guards a compile passes to its guard filter."""
         pinned: set[tuple[int, str]] = set()
         symbolic: set[tuple[int, str]] = set()
@@ -251,12 +252,11 @@ class CompiledStep:
         self.bound = types.MethodType(raw_step(optimizer), optimizer)
         self.trampoline = new_trampoline(shared=False)
         self.closure = (types.CellType(self.bound),)
-        kwargs = {k: v for k, v in compile_kwargs.items() if k != "fullgraph"}
-        kwargs["options"] = {**(kwargs.get("options") or {}), "guard_filter_fn": self._record}
+        # A fresh options dict with the recording filter; a `mode` expanded into options.
+        kwargs = build_compile_kwargs(compile_kwargs, self._record)
+        kwargs["fullgraph"] = True
         self.compiled = torch.compile(
-            trampoline_function(self.trampoline, self.closure, shared=False),
-            fullgraph=True,
-            **kwargs,
+            trampoline_function(self.trampoline, self.closure, shared=False), **kwargs
         )
         self.recorded: list[Values] = []  # what each compile's guards assert of the groups
         self.values: dict[int, Values] = {}  # id(entry code) -> that
@@ -277,7 +277,7 @@ class CompiledStep:
         self.previous: Any = _MISSING  # the instance `step` install() replaced
         self.method: Any = None  # the one install() set
 
-    def _record(self, guards: list[Any]) -> list[bool]:
+    def _record(self, guards: Sequence[Any]) -> list[bool]:
         """The guard filter: keeps every guard, and records which group values the
         compile's guards pin (:class:`Values`)."""
         self.recorded.append(Values.of(guards))
