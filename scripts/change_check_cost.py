@@ -234,21 +234,9 @@ def _stub_every_code(target: Any, out: Any) -> None:
 
 def flip_cost() -> dict[str, float]:
     """ns per call: a call after a flip back to a known state, against a steady call."""
-    import peft
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from guardtrain.bench.workloads.dpo import tiny_lora_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    model = peft.get_peft_model(LlamaForCausalLM(config), lora)
+    model = tiny_lora_llama()  # the DPO workload's peft LoRA Llama
     ids = torch.randint(1, 64, (4, 12))
     inner = model.base_model
     tuner = steady_tuner_of(model, ids, inner)
