@@ -25,6 +25,7 @@ __all__ = [
     "accepting_entry",
     "accepts",
     "admit",
+    "first_accepting",
     "remember_full_guards",
     "stance_choice",
 ]
@@ -84,10 +85,16 @@ def accepting_entry(target: TargetState, args: tuple[Any, ...], kwargs: dict[str
     """``(entry, number of entries)`` for the first cache entry of the root code whose
     guard manager accepts a call with these arguments (Dynamo's choice with full
     guards, in cache order), or None."""
+    return first_accepting(target.code.trampoline, target.call_scope(args, kwargs))
+
+
+def first_accepting(code: Any, scope: dict[str, Any]) -> Any:
+    """``(entry, number of entries)`` for the first cache entry of ``code`` whose guard
+    manager accepts a frame with locals ``scope`` (Dynamo's choice with full guards, in
+    cache order), or None."""
     if cache_entry_list is None:
         return None
-    scope = target.call_scope(args, kwargs)
-    entries = cache_entry_list(target.code.trampoline)
+    entries = cache_entry_list(code)
     for entry in entries:
         manager = getattr(entry, "guard_manager", None)
         if manager is not None and _guard_check(manager, scope):

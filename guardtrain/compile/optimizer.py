@@ -50,6 +50,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.optim.optimizer as _optimizer
 
+from guardtrain.compile.accept import first_accepting
 from guardtrain.compile.direct import live_codes
 from guardtrain.compile.options import build_compile_kwargs
 from guardtrain.compile.trampoline import (
@@ -59,7 +60,6 @@ from guardtrain.compile.trampoline import (
     trampoline_function,
 )
 from guardtrain.errors import GuardTrainRuntimeError
-from guardtrain.guardcheck import check as _guard_check
 
 __all__ = ["CompiledStep", "Snapshot", "Values", "install", "refusal", "uninstall"]
 
@@ -355,15 +355,13 @@ class CompiledStep:
     def _harvest(self) -> None:
         if cache_entry_list is None or live_codes is None:
             return
-        scope = {"args": (), "kwargs": {}, "bound": self.bound}
-        for entry in cache_entry_list(self.trampoline):
-            manager = getattr(entry, "guard_manager", None)
-            if manager is not None and _guard_check(manager, scope):
-                fn = types.FunctionType(
-                    entry.code, TRAMPOLINE_GLOBALS, entry.code.co_name, None, self.closure
-                )
-                self.direct, self.direct_code = fn, entry.code
-                break
+        found = first_accepting(self.trampoline, {"args": (), "kwargs": {}, "bound": self.bound})
+        if found is not None:
+            code = found[0].code
+            self.direct = types.FunctionType(
+                code, TRAMPOLINE_GLOBALS, code.co_name, None, self.closure
+            )
+            self.direct_code = code
         if self.recorded:  # this step compiled: the newest entry is its
             self.values[id(cache_entry_list(self.trampoline)[0].code)] = self.recorded[-1]
         values = self.values.get(id(self.direct_code))
