@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from guardtrain.bench.models import Transformer
+from guardtrain.compile.optimizer import installed
 
 __all__ = ["CONFIGS", "format_optimizer_step", "optimizer_step"]
 
@@ -60,9 +61,10 @@ def _make(name: str, compile_kwargs: dict[str, Any], depth: int, schedule: bool)
         )
         tuner.__enter__()
         step = opt.step
+        compiled = installed(opt)
+        assert compiled is not None, "compile_optimizer=True installed no compiled step"
         if name.endswith("full guards"):
-            for compiled in tuner._engine.run.optimizers.installed:
-                compiled.direct_allowed = False
+            compiled.direct_allowed = False
     return {"model": model, "opt": opt, "sched": sched, "step": step, "tuner": tuner}
 
 

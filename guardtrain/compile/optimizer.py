@@ -61,7 +61,7 @@ from guardtrain.compile.trampoline import (
 )
 from guardtrain.errors import GuardTrainRuntimeError
 
-__all__ = ["CompiledStep", "Snapshot", "Values", "install", "refusal", "uninstall"]
+__all__ = ["CompiledStep", "Snapshot", "Values", "install", "installed", "refusal", "uninstall"]
 
 _guards = torch._C._dynamo.guards
 _Tensor = torch.Tensor
@@ -398,6 +398,11 @@ def _step(optimizer: Any, closure: Callable[[], Any] | None = None) -> Any:
 # An LR scheduler checks for its own wrapper (and warns that the step was replaced) and
 # reads `_opt_called`, which CompiledStep.step sets; one made later keeps this step as it is.
 _step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+
+def installed(optimizer: Any) -> CompiledStep | None:
+    """The :class:`CompiledStep` that runs ``optimizer.step`` now, or ``None``."""
+    return _INSTALLED.get(optimizer)
 
 
 def install(step: CompiledStep) -> None:
