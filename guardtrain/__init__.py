@@ -37,7 +37,7 @@ from guardtrain.errors import (
     GuardTrainTypeError,
     GuardTrainValueError,
 )
-from guardtrain.presets import PRESETS, GuardPreset
+from guardtrain.presets import PRESET_NAMES, PRESETS, GuardPreset, get_preset
 
 if TYPE_CHECKING:  # pragma: no cover
     from guardtrain.callback import GuardTuneCallback
@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "PRESETS",
+    "PRESET_NAMES",
     "GuardPreset",
     "GuardTrainError",
     "GuardTrainRuntimeError",
@@ -56,6 +57,7 @@ __all__ = [
     "GuardTuner",
     "__version__",
     "filters",
+    "get_preset",
 ]
 
 

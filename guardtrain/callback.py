@@ -83,7 +83,7 @@ class GuardTuneCallback(EngineView, Callback):
     if TYPE_CHECKING:  # what checkers read; the generated one has the same parameters
 
         def __init__(
-            self, preset: PresetName = "balanced", **arguments: Unpack[GuardArguments]
+            self, preset: PresetName = "auto", **arguments: Unpack[GuardArguments]
         ) -> None: ...
 
     else:
@@ -197,6 +197,7 @@ class GuardTuneCallback(EngineView, Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int = 0
     ) -> None:
+        self._engine.step_start()  # the bottom line: the steady step's wall time
         self._engine.batch_start(_TRAIN, batch, pl_module.training)
 
     @override
@@ -209,6 +210,7 @@ class GuardTuneCallback(EngineView, Callback):
         batch_idx: int = 0,
     ) -> None:
         self._engine.batch_end(_TRAIN)
+        self._engine.step_end()
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -71,6 +71,7 @@ import copy
 import sys
 from typing import TYPE_CHECKING, Any, Unpack
 
+import torch
 from torch import nn
 from torch.compiler import is_compiling
 from transformers import TrainerCallback
@@ -123,7 +124,7 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
     if TYPE_CHECKING:  # what checkers read; the generated one has the same parameters
 
         def __init__(
-            self, preset: PresetName = "balanced", **arguments: Unpack[GuardArguments]
+            self, preset: PresetName = "auto", **arguments: Unpack[GuardArguments]
         ) -> None: ...
 
     else:
@@ -210,6 +211,18 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         if self._in_train:
             self._close(complete=True)
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._engine.step_start()  # the bottom line: the steady step's wall time
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._engine.backward_done()  # the step's backward ran (H52)
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._engine.backward_done()  # an accumulation substep's backward ran (H52)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._engine.step_end()
+
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._evaluation_done()
 
@@ -248,7 +261,9 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
             return None
         self._inside = False
         if sys.exc_info()[0] is None:
-            self._engine.batch_end(self._current)
+            # In training the step's backward comes after this call (H52).
+            backward = self._current == _TRAIN and torch.is_grad_enabled()
+            self._engine.batch_end(self._current, backward_follows=backward)
         return None
 
     # -- runs and passes ---------------------------------------------------------------------

@@ -6,6 +6,7 @@ use_stance=False)`` reads as "the balanced preset, but never enter the stance".
 
 | preset     | recursive dict tags | install_free_tensors | guard filter             | stance |
 |------------|---------------------|----------------------|--------------------------|--------|
+| auto       | torch's default     | yes                  | skip_all_nn_modules      | yes: turbo where not refused, else aggressive |
 | off        | torch's default     | no                   | none                     | no     |
 | safe       | torch's default     | yes                  | none                     | no     |
 | balanced   | torch's default     | yes                  | skip_inbuilt_nn_modules  | yes    |
@@ -13,6 +14,13 @@ use_stance=False)`` reads as "the balanced preset, but never enter the stance".
 | turbo      | torch's default     | yes                  | skip_all_nn_modules      | yes, and direct dispatch |
 
 Every preset compiles; ``off`` only leaves Dynamo's guards as they are.
+
+``auto``, the default, is the fastest configuration the run allows: ``turbo``'s levers,
+and where direct dispatch is refused (a target with graph breaks, FSDP, guard
+collectives) ``aggressive``'s stance, per target, with no warning: the setup line and
+``summary()["auto"]`` say what it chose and why. Every preset is equally sound on
+guardtrain's suites, so the default takes the fastest (docs/design.md, "The default").
+It is not in :data:`PRESETS`: :func:`get_preset` gives it ``turbo``'s levers.
 
 ``safe`` keeps every guard and never enters the stance: ``install_free_tensors``
 removes the pre-graph bytecode that passes the parameters in as graph inputs,
@@ -44,7 +52,15 @@ from typing import Literal, Mapping
 
 from guardtrain.errors import GuardTrainTypeError, GuardTrainValueError
 
-__all__ = ["GuardPreset", "PRESETS", "PresetName", "get_preset"]
+__all__ = [
+    "AUTO",
+    "DEFAULT_PRESET",
+    "GuardPreset",
+    "PRESETS",
+    "PRESET_NAMES",
+    "PresetName",
+    "get_preset",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,20 +142,32 @@ PRESETS: Mapping[str, GuardPreset] = MappingProxyType(
 )
 """Preset name -> :class:`GuardPreset`."""
 
-PresetName = Literal["off", "safe", "balanced", "aggressive", "turbo"]
-"""The keys of :data:`PRESETS`, in order, as a type: ``GuardTuneCallback(preset=...)``
-is annotated with it, so type checkers and LightningCLI (``--help``) know the names."""
+AUTO = "auto"
+"""The default preset: ``turbo``'s levers, ``aggressive``'s stance where direct dispatch
+is refused (per target, or the run)."""
+
+DEFAULT_PRESET = AUTO
+"""The preset of every adapter when none is named."""
+
+PRESET_NAMES: tuple[str, ...] = (AUTO, *PRESETS)
+"""Every name that ``preset=`` accepts: ``auto`` and the keys of :data:`PRESETS`."""
+
+PresetName = Literal["auto", "off", "safe", "balanced", "aggressive", "turbo"]
+""":data:`PRESET_NAMES`, in order, as a type: ``GuardTuneCallback(preset=...)`` is
+annotated with it, so type checkers and LightningCLI (``--help``) know the names."""
 
 
 def get_preset(name: str) -> GuardPreset:
     """Return the preset called ``name``; the error lists the valid names."""
     if not isinstance(name, str):
         raise GuardTrainTypeError(
-            f"`preset` must be one of {sorted(PRESETS)}, got {name!r} ({type(name).__name__})."
+            f"`preset` must be one of {list(PRESET_NAMES)}, got {name!r} ({type(name).__name__})."
         )
+    if name == AUTO:
+        return PRESETS["turbo"]
     try:
         return PRESETS[name]
     except KeyError:
         raise GuardTrainValueError(
-            f"`preset` must be one of {list(PRESETS)}, got {name!r}."
+            f"`preset` must be one of {list(PRESET_NAMES)}, got {name!r}."
         ) from None

@@ -42,6 +42,8 @@ from guardtrain.view import EngineView
 
 __all__ = ["GuardTuner"]
 
+_TRAIN = Loop.TRAIN.value
+
 log = logging.getLogger("guardtrain")
 _POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
 
@@ -67,6 +69,8 @@ class _Step:
         warmed = tuner._warmed
         if not engine.steady(loop):
             warmed[loop] = training
+        if loop == _TRAIN:
+            engine.step_start()  # the bottom line: the steady step's wall time
         engine.batch_start(loop, self._batch, training, warmed.get(loop))
 
     @staticmethod
@@ -83,6 +87,8 @@ class _Step:
         self._batch = None
         if exc_type is None:
             tuner._engine.batch_end(tuner._loop)
+            if tuner._loop == _TRAIN:
+                tuner._engine.step_end()
 
 
 class _LoopPass:
@@ -174,7 +180,7 @@ class GuardTuner(EngineView):
         def __init__(
             self,
             model: nn.Module,
-            preset: PresetName = "balanced",
+            preset: PresetName = "auto",
             *,
             fabric: Any = None,
             optimizers: Any = None,

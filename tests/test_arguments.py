@@ -35,7 +35,7 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], type[GuardTrainError], str]] = [
     (
         {"preset": "fast"},
         GuardTrainValueError,
-        r"`preset` must be one of \['off', 'safe'.* got 'fast'",
+        r"`preset` must be one of \['auto', 'off', 'safe'.* got 'fast'",
     ),
     ({"preset": "Balanced"}, GuardTrainValueError, r"`preset` must be one of"),
     ({"preset": 3}, GuardTrainTypeError, r"`preset` must be one of"),

@@ -67,8 +67,6 @@ pytest.importorskip("peft")
 from helpers import guard_tuner
 from test_dpo import BETA, adapter_weights, pairs, sequence_logps, tiny_lora_llama
 
-from guardtrain import versions
-
 pytestmark = [
     pytest.mark.slow,  # about 10 minutes here (24-step DPO runs that rebuild): the full suite
     pytest.mark.filterwarnings(
@@ -315,15 +313,6 @@ def run_hf(tmp_path: Path, preset: str | None) -> dict[str, Any]:
     return got
 
 
-@pytest.mark.xfail(
-    versions.release() >= (2, 15),
-    raises=torch.utils.checkpoint.CheckpointError,
-    strict=True,
-    reason="torch 2.15: in the first step the backward's recomputation of a checkpointed "
-    "block saves fewer tensors than its forward (CheckpointError, pytorch#166926: another "
-    "compiled graph chosen), with or without the toggle, also before H46; plain "
-    "model.compile() runs this loop. Open, docs/versions.md",
-)
 def test_a_change_repeated_every_step_stops_rebuilding_in_the_hf_trainer(tmp_path: Path) -> None:
     eager = run_hf(tmp_path, None)
     assert eager["hooks"] == list(range(3, LONG + 3)), eager["hooks"]

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from guardtrain import PRESETS, GuardTuneCallback
-from guardtrain.presets import PresetName
+from guardtrain.presets import PRESET_NAMES, PresetName
 
 pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse (guardtrain[dev])")
 #: Lightning itself calls jsonargparse APIs that jsonargparse>=4.49 deprecates.
@@ -136,7 +136,7 @@ def _constructor_state(callback: GuardTuneCallback) -> dict[str, Any]:
 
 
 def test_preset_literal_matches_presets() -> None:
-    assert get_args(PresetName) == tuple(PRESETS)
+    assert get_args(PresetName) == ("auto", *PRESETS) == PRESET_NAMES
 
 
 def test_help_lists_the_presets(capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,7 +144,7 @@ def test_help_lists_the_presets(capsys: pytest.CaptureFixture[str]) -> None:
         example.main(["fit", "--trainer.callbacks.help", CLASS_PATH])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    assert "--trainer.callbacks.preset {" + ",".join(PRESETS) + "}" in out
+    assert "--trainer.callbacks.preset {" + ",".join(PRESET_NAMES) + "}" in out
     assert "--trainer.callbacks.guard_filter" in out
 
 
@@ -154,7 +154,7 @@ def test_unknown_preset_is_rejected_by_the_parser(capsys: pytest.CaptureFixture[
     assert exc.value.code != 0
     err = capsys.readouterr().err
     assert "fast" in err
-    assert all(name in err for name in PRESETS), err
+    assert all(name in err for name in PRESET_NAMES), err
 
 
 def test_samples_cover_the_signature() -> None:
@@ -191,7 +191,7 @@ def test_every_argument_round_trips(name: str, index: int, tmp_path: Path) -> No
     args.append(f"--trainer.callbacks.{name}={text}")
     cli = example.main(["fit", *args])  # fits two batches and saves config.yaml
     ran = _guard(cli.trainer.callbacks)
-    assert ran.summary()["preset"] == (value if name == "preset" else "balanced")
+    assert ran.summary()["preset"] == (value if name == "preset" else "auto")
 
     expected = {p.name: p.default for p in PARAMS} | BASE | {name: value}
     saved = _saved_init_args(tmp_path / "config.yaml")

@@ -32,7 +32,7 @@ REGIONAL = ("--targets", "blocks.0,blocks.1")
 
 CONFIGS: dict[str, tuple[str, ...]] = {
     "plain_aggressive": ("plain", "--guard", "aggressive", *SHORT),
-    "plain_turbo_regional": ("plain", "--guard", "turbo", *REGIONAL, *SHORT),
+    "plain_auto_regional": ("plain", "--guard", "auto", *REGIONAL, *SHORT),
     "fabric_aggressive": ("fabric", "--guard", "aggressive", *SHORT),
     "fabric_turbo_regional": ("fabric", "--guard", "turbo", *REGIONAL, *SHORT),
 }
@@ -98,14 +98,18 @@ def test_install_free_tensors_switched_off(
 
 
 def test_turbo_refused_per_sharded_target(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Plain fully_shard: each sharded target is refused by name; with all of them refused,
-    direct dispatch is not on and no call ran directly."""
-    for info in run("plain_turbo_regional", tmp_path_factory):
+    """Plain fully_shard under ``auto`` (turbo's levers): each sharded target is refused by
+    name; with all of them refused, direct dispatch is not on, no call ran directly, and
+    ``auto`` says it chose aggressive's stance for them."""
+    for info in run("plain_auto_regional", tmp_path_factory):
         d = info["summary"]["direct_dispatch"]
         assert d["requested"] is True and d["on"] is False, d
         assert [t["target"] for t in d["refused_targets"]] == ["blocks.0", "blocks.1"], d
         assert all("fully_shard" in t["why"] for t in d["refused_targets"]), d
         assert d["calls"] == 0
+        auto = info["summary"]["auto"]
+        assert auto["chose"] == "aggressive" and "fully_shard" in auto["why"], auto
+        assert sorted(auto["targets"]) == ["blocks.0", "blocks.1"], auto
 
 
 def test_turbo_refused_under_model_parallel(tmp_path_factory: pytest.TempPathFactory) -> None:

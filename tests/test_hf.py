@@ -723,6 +723,41 @@ def test_a_target_that_breaks_the_graph_is_split(tmp_path: Path) -> None:
     assert "transformer.h.0" in s["targets"]
 
 
+def test_a_split_waits_for_the_backward_of_checkpointed_blocks(tmp_path: Path) -> None:
+    """Each block breaks the graph in its MLP: the base model is split into its blocks in
+    the first step, each block into its parts in the second. With gradient checkpointing
+    the backward runs each block's forward again, and must run the graph its forward ran
+    (H52: the split at the forward's end gave ``CheckpointError``)."""
+
+    class BreakingMLP(torch.nn.Module):
+        def __init__(self, mlp: torch.nn.Module) -> None:
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch._dynamo.graph_break()
+            return self.mlp(x)
+
+    def breaking() -> Any:
+        model = tiny_model()
+        for block in model.transformer.h:
+            block.mlp = BreakingMLP(block.mlp)
+        return model
+
+    cb = guard()
+    eager, guarded = run_pair(
+        tmp_path,
+        cb,
+        gradient_checkpointing=True,
+        max_steps=8,
+        trainer_kwargs={"model_init": breaking},
+    )
+    assert losses(guarded) == losses(eager)
+    assert_same_weights(guarded.model, eager.model)
+    split = {b["target"] for b in cb.summary()["graph_breaks"]}
+    assert {"transformer", "transformer.h.0"} <= split, split
+
+
 # -- FSDP and DeepSpeed, accelerate's state faked (fast; FSDP2 for real is further down) ------
 
 

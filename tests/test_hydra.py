@@ -52,9 +52,11 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 import guardtrain  # noqa: E402
 from guardtrain import PRESETS, GuardTuneCallback  # noqa: E402
 from guardtrain.errors import GuardTrainValueError  # noqa: E402
+from guardtrain.presets import PRESET_NAMES as ALL_PRESETS  # noqa: E402
+from guardtrain.presets import get_preset  # noqa: E402
 from hydra_plugins.guardtrain_searchpath import searchpath as plugin  # noqa: E402
 
-PRESET_NAMES = sorted(PRESETS)
+PRESET_NAMES = sorted(ALL_PRESETS)  # auto, the default, and PRESETS
 
 import hydra  # noqa: E402
 
@@ -83,7 +85,7 @@ def _constructor_args() -> dict[str, inspect.Parameter]:
 
 
 def _preset_values(name: str) -> dict[str, Any]:
-    return dataclasses.asdict(PRESETS[name])
+    return dataclasses.asdict(get_preset(name))
 
 
 @contextmanager
@@ -148,7 +150,7 @@ def _run(
 
 
 def test_group_options_are_exactly_the_presets() -> None:
-    assert set(_option_files()) == set(PRESETS)
+    assert set(_option_files()) == set(ALL_PRESETS)
     with _guardtrain_conf():
         loader = GlobalHydra.instance().config_loader()
         assert loader.get_group_options("guard") == PRESET_NAMES
@@ -205,7 +207,7 @@ def test_option_composes_and_instantiates_to_the_python_preset(name: str) -> Non
     callback = instantiate(node)
     assert type(callback) is GuardTuneCallback
     assert callback.preset == name
-    assert callback.settings == PRESETS[name]
+    assert callback.settings == get_preset(name)
     assert callback.compile_kwargs == {"backend": "inductor"}
     assert type(callback.compile_kwargs) is dict
     assert callback.targets is None

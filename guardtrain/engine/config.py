@@ -19,7 +19,7 @@ from guardtrain import filters as _filters
 from guardtrain.arguments import Accepts
 from guardtrain.compile import check_compile_kwargs
 from guardtrain.errors import GuardTrainTypeError, GuardTrainValueError
-from guardtrain.presets import GuardPreset, PresetName, get_preset
+from guardtrain.presets import AUTO, GuardPreset, PresetName, get_preset
 
 __all__ = ["DISABLE_ENV", "GuardArguments", "GuardConfig", "make_config"]
 
@@ -56,9 +56,10 @@ class GuardConfig:
         GuardTrainTypeError: an argument of the wrong type.
     """
 
-    preset: PresetName = "balanced"
-    """``"off"``, ``"safe"``, ``"balanced"``, ``"aggressive"`` or ``"turbo"`` (see
-    :data:`guardtrain.PRESETS`). Explicit arguments below override it."""
+    preset: PresetName = "auto"
+    """``"auto"`` (the default: ``turbo`` where direct dispatch is not refused, else
+    ``aggressive``), ``"off"``, ``"safe"``, ``"balanced"``, ``"aggressive"`` or ``"turbo"``
+    (see :data:`guardtrain.PRESETS`). Explicit arguments below override it."""
 
     warmup_steps: int | None = None
     """training batches with full guards before the stance (preset: 20)."""
@@ -260,7 +261,7 @@ class GuardArguments(TypedDict, total=False):
     compile_cache: str | os.PathLike[str] | None
 
 
-def make_config(preset: str = "balanced", **arguments: Any) -> GuardConfig:
+def make_config(preset: str = "auto", **arguments: Any) -> GuardConfig:
     """``GuardConfig(preset=preset, **arguments)``: the adapters' arguments, validated.
 
     Raises:
@@ -277,6 +278,8 @@ def _levers(preset: str, overrides: dict[str, Any], guard_filter: Any) -> GuardP
     if isinstance(guard_filter, str):
         given["guard_filter"] = guard_filter
     levers = dataclasses.replace(base, **given)
+    if preset == AUTO and "direct_dispatch" not in given and not levers.use_stance:
+        levers = dataclasses.replace(levers, direct_dispatch=False)  # auto's choice: no stance
     if levers.direct_dispatch and not levers.use_stance:
         raise GuardTrainValueError(
             f"`direct_dispatch=True` needs the stance, but use_stance=False (preset {preset!r}): "

@@ -42,6 +42,7 @@ from guardtrain.engine.levers import Levers
 from guardtrain.engine.phases import Phase
 from guardtrain.engine.repairs import Repairs
 from guardtrain.engine.run import TRAIN, Run
+from guardtrain.engine.steps import bottom_line, step_metrics
 from guardtrain.engine.targets import Hooks, TargetSet
 
 __all__ = ["GuardEngine"]
@@ -49,7 +50,7 @@ __all__ = ["GuardEngine"]
 
 # The engine's whole contract with its adapters (every entry point and all it shows
 # them) stays in one class; the work is done by the parts it holds.
-# Lines 357: the contract is its seam.
+# Lines 404: the contract is its seam.
 class GuardEngine:
     """One adapter's runs: compiled targets, phases, checks, the stance and the report.
 
@@ -227,6 +228,8 @@ class GuardEngine:
             sharded_by_hand=sharded_by_hand,
         )
         r.machine.use_stance = r.levers.use_stance
+        if r.config.preset == "auto":
+            r.host.info(summary.auto_line(r.levers))
 
     def activate(
         self,
@@ -366,8 +369,11 @@ class GuardEngine:
         state.stance_at_start = state.stance_on
         state.compiles_at_batch = r.monitor.compiles - state.handed_compiles
 
-    def batch_end(self, loop: str) -> None:
-        """Count the batch's compiles; decide entry at decision points."""
+    def batch_end(self, loop: str, backward_follows: bool = False) -> None:
+        """Count the batch's compiles; decide entry at decision points.
+
+        ``backward_follows``: the batch's backward runs after this (a batch is one model
+        call); repairs after a compile then wait for :meth:`backward_done` (H52)."""
         r = self.run
         state = r.state
         if not state.active:
@@ -379,20 +385,53 @@ class GuardEngine:
             self._batches.end_checks(loop, compiled)
         m.batch_done(loop, compiled, state.stance_at_start and state.stance_on)
         if compiled:
-            self._repairs.after_compile()
+            if backward_follows or state.repairs_due:
+                state.repairs_due = True  # a checkpointed block recomputes its forward (H52)
+            else:
+                self._repairs.after_compile()
         if loop == TRAIN:
-            if m.collective or m.loops[loop].phase != STEADY:  # steady alone: no decision
+            if state.repairs_due:
+                pass  # no decision while the targets may still change (H52)
+            elif m.collective or m.loops[loop].phase != STEADY:  # steady alone: no decision
                 self._batches.decision_point()
             if r.lookup.results:  # the saving is measured: do the checks cost more? (H51)
                 self._repairs.weigh_checks(m.loops[loop].phase == STEADY)
             if state.logged_changes != r.changes():
                 self._log_changes()
 
+    def step_start(self) -> None:
+        """A training step starts (Lightning's and ``GuardTuner``'s batch, the HF
+        ``Trainer``'s optimizer step): its wall time counts in ``summary()["step"]`` if
+        the training loop is steady from here to :meth:`step_end` (no compile, no re-arm)."""
+        if self.run.state.active:
+            self.run.steps.start(self._step_mark())
+
+    def step_end(self) -> None:
+        """The training step that :meth:`step_start` began has ended."""
+        if self.run.state.active:
+            self.run.steps.end(self._step_mark())
+
+    def _step_mark(self) -> tuple[bool, int, int]:
+        m = self.run.machine
+        return m.steady(TRAIN), self.run.monitor.compiles, len(m.rearms)
+
+    def backward_done(self) -> None:
+        """The backward of the batches before now has run (the HF ``Trainer``: before the
+        optimizer step, after each accumulation substep): repairs that waited for it
+        (:meth:`batch_end`'s ``backward_follows``, H52) happen now."""
+        state = self.run.state
+        if state.active and state.repairs_due:
+            state.repairs_due = False
+            self._repairs.after_compile()
+
     def loop_end(self, loop: str, complete: bool = True) -> None:
         """A pass of ``loop`` ended (``complete`` is False for a sanity check or a cut pass)."""
         r = self.run
         if not r.state.active:
             return
+        self.backward_done()
+        if loop == TRAIN:
+            self._log_step()
         self._repairs.set_steady(False, boundary=True)
         r.dynamo.set_guard_collectives(False)
         r.machine.pass_done(loop, complete)
@@ -400,6 +439,15 @@ class GuardEngine:
             self._batches.decide(loop)
         r.state.pending.add(TRAIN)
         r.state.loop = None
+
+    def _log_step(self) -> None:
+        """Once per training pass: the steady step and what guardtrain saved in it."""
+        r = self.run
+        if not (r.config.log_metrics and r.host.log_metrics is not None):
+            return
+        values = step_metrics(bottom_line(r.steps, r.lookup.lookup, r.levers.direct_dispatch))
+        if values:
+            r.host.log_metrics(values, self.train_batches())
 
     def _log_changes(self) -> None:
         r = self.run

@@ -121,7 +121,8 @@ def resolve(
         if why is not None:
             lv.direct_dispatch = False
             lv.direct_refused = why
-            host.warn(f"guardtrain: direct dispatch (turbo) is refused: {why}.")
+            if config.preset != "auto":  # auto says what it chose at setup, as a choice
+                host.warn(f"guardtrain: direct dispatch (turbo) is refused: {why}.")
     spec = config.filter_spec
     resolved = _filters.resolve(spec)
     if resolved is None and spec not in (None, "keep_all"):

@@ -23,6 +23,7 @@ from guardtrain.engine.lookup import LookupWindows
 from guardtrain.engine.optimizers import OptimizerSteps
 from guardtrain.engine.phases import Loop, PhaseMachine
 from guardtrain.engine.process import PROCESS, DynamoSettings
+from guardtrain.engine.steps import StepClock
 from guardtrain.engine.targets import Hooks, TargetSet
 from guardtrain.profiling import CompileMonitor
 
@@ -47,6 +48,11 @@ class RunState:
     entered_together: bool = False
     uncompiled: list[str] = field(default_factory=list)
     compiles_at_batch: int = 0
+    repairs_due: bool = False
+    """A batch compiled and a backward of it comes after its end (the HF ``Trainer``: a
+    batch is one model call): the repairs that change what a target runs wait for
+    :meth:`~guardtrain.engine.engine.GuardEngine.backward_done`, since a checkpointed
+    block runs its forward again in the backward and must run the same graph (H52)."""
     handed_compiles: int = 0
     """Compiles of targets handed over to full guards (H51): Dynamo's own recompiles,
     which no phase hears of."""
@@ -96,6 +102,8 @@ class Run:
     """What the hand-over decisions read: rebuilds, the checks' cost (H51)."""
     optimizers: OptimizerSteps = field(default_factory=OptimizerSteps)
     """The compiled optimizer steps (``compile_optimizer=True``, H49)."""
+    steps: StepClock = field(default_factory=StepClock)
+    """The steady training steps' wall time (``summary()["step"]``)."""
 
     @classmethod
     def first(cls, config: GuardConfig, host: Host, hooks: Hooks) -> Run:
@@ -120,6 +128,7 @@ class Run:
         self.targets = self.targets.next_run(self.config, self.levers)
         self.checks, self.lookup, self.state = Checks(), LookupWindows(), RunState()
         self.ledger = Ledger()
+        self.steps = StepClock()
 
     def train_batches(self) -> int:
         """Training batches of this run and the earlier ones (a checkpoint's included)."""

@@ -14,12 +14,15 @@ from typing import Any, Callable
 from guardtrain.compile import CompiledTarget
 from guardtrain.engine import warmstart
 from guardtrain.engine.host import Host
+from guardtrain.engine.levers import Levers
 from guardtrain.engine.phases import PHASE_NUMBERS
 from guardtrain.engine.run import Run
+from guardtrain.engine.steps import bottom_line
 from guardtrain.engine.targets import TargetSet, label
 
 __all__ = [
     "MetricsLog",
+    "auto_line",
     "build",
     "carried",
     "format_summary",
@@ -66,6 +69,8 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "shared_code": _shared_code(ts.kept, root),
         "own_code": [{"target": label(t, root), "why": t.own_code} for t in ts.kept if t.own_code],
         "direct_dispatch": _direct(e),
+        "auto": _auto(e),
+        "step": bottom_line(e.steps, lookup, e.levers.direct_dispatch),
         "caught_changes": _caught(e),
         "state_swaps": ts.swaps + sum(t.kept.swaps for t in ts.kept),
         "full_guard_targets": [dict(h) for h in e.ledger.handed_over],
@@ -115,6 +120,27 @@ def _direct(e: Run) -> dict[str, Any]:
         + sum(t.direct_calls for t in ts.kept)
         + e.restored.get("direct_calls", 0),
     }
+
+
+def _auto(e: Run) -> dict[str, Any] | None:
+    """What the ``auto`` preset chose: turbo's direct dispatch, or aggressive's stance (the
+    run, or some targets), and why; None under a named preset."""
+    if e.config.preset != "auto":
+        return None
+    direct = _direct(e)
+    if not e.levers.use_stance:
+        return {"chose": "off", "why": "the stance is off in this run", "targets": {}}
+    refused = {t["target"]: t["why"] for t in direct["refused_targets"]}
+    if not direct["on"]:
+        why = direct["refused"] or "; ".join(sorted(set(refused.values())))
+        return {"chose": "aggressive", "why": why, "targets": refused}
+    if refused:
+        return {
+            "chose": "turbo, aggressive for some targets",
+            "why": "their direct dispatch is refused",
+            "targets": refused,
+        }
+    return {"chose": "turbo", "why": "direct dispatch is refused nowhere", "targets": {}}
 
 
 def _direct_refusals(ts: TargetSet, root: str) -> list[dict[str, str]]:
@@ -264,11 +290,34 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  guards µs/step   {lookup.get('full_guards', float('nan')):.1f} with full guards, "
             f"{lookup['steady']:.1f} under the stance (guard + pre-graph, profiled)"
         )
+    lines += _step_lines(s)
     lines += _direct_lines(s.get("direct_dispatch") or {})
     lines += _optimizer_lines(s.get("optimizers") or [])
     lines += _code_lines(s)
     lines += _state_lines(s)
     return "\n".join(lines)
+
+
+def _step_lines(s: dict[str, Any]) -> list[str]:
+    """The bottom line: the steady step, the saving and its share; what ``auto`` chose."""
+    lines = []
+    auto = s.get("auto")
+    if auto:
+        lines.append(f"  auto chose       {auto['chose']} ({auto['why']})")
+    step = s.get("step") or {}
+    if step.get("median_us") is None:
+        return lines
+    text = f"  step (steady)    {step['median_us'] / 1e3:.2f} ms median of {step['steady_steps']}"
+    if step.get("saved_us") is not None:
+        text += (
+            f"; guardtrain saved {step['saved_us']:.1f} µs/step "
+            f"({100 * step['saved_share']:.1f}% of the step with full guards), "
+            f"guards take {100 * step['guards_share']:.1f}% of it"
+        )
+    else:
+        text += f"; saving {step['why']}"
+    lines.append(text)
+    return lines
 
 
 def _direct_lines(direct: dict[str, Any]) -> list[str]:
@@ -334,3 +383,19 @@ def _state_lines(s: dict[str, Any]) -> list[str]:
     if s.get("compile_cache"):
         lines.append(f"  compile cache    {warmstart.describe(s['compile_cache'])}")
     return lines
+
+
+def auto_line(levers: Levers) -> str:
+    """The one line at setup that says what the ``auto`` preset chose, and why."""
+    if not levers.use_stance:
+        return "guardtrain: preset auto: the stance is off in this run."
+    if not levers.direct_dispatch:
+        return (
+            f"guardtrain: preset auto chose aggressive's stance: direct dispatch (turbo) is "
+            f"refused: {levers.direct_refused}."
+        )
+    return (
+        "guardtrain: preset auto chose turbo's direct dispatch; a target refused it (graph "
+        "breaks, FSDP's fully_shard) runs under aggressive's stance, as summary()['auto'] "
+        "lists."
+    )

@@ -150,6 +150,8 @@ def train(args: argparse.Namespace, rank: int, setup: Any) -> dict[str, Any]:
                 "levers",
                 "switched_off",
                 "direct_dispatch",
+                "auto",
+                "step",
                 "rearms",
                 "targets",
             )

@@ -1,0 +1,98 @@
+"""The bottom line: the steady training step's wall time, and what guardtrain saved in it.
+
+The adapters mark each training step (:meth:`~guardtrain.engine.engine.GuardEngine.step_start`
+and ``step_end``: Lightning's and ``GuardTuner``'s batch, the HF ``Trainer``'s optimizer
+step). A step counts when the training loop was steady from its start to its end, with
+no compile and no re-arm in between; the last :data:`STEPS_KEPT` such steps are kept.
+The saving comes from the lookup windows (:mod:`guardtrain.engine.lookup`): guard and
+pre-graph time per step with full guards, minus the same under the stance, profiled in
+the same run.
+
+>>> clock = StepClock()
+>>> clock.times.extend([900_000, 1_000_000, 3_000_000])  # ns: three steady steps
+>>> figures = bottom_line(clock, {"full_guards": 110.0, "steady": 10.0})
+>>> figures["median_us"], figures["saved_us"], figures["saved_share"]
+(1000.0, 100.0, 0.0909)
+>>> figures["guards_share"]
+0.01
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["STEPS_KEPT", "StepClock", "bottom_line", "step_metrics"]
+
+STEPS_KEPT = 512
+"""Steady steps whose wall time is kept (the median is of these)."""
+
+_NOT_UNDER_TURBO = (
+    "not measured under direct dispatch (turbo, auto): the lookup windows profile "
+    "Dynamo's entry path, which direct calls skip; `guardtrain bench` measures it"
+)
+
+
+@dataclass(slots=True)
+class StepClock:
+    """The wall time of the steady training steps (ns), and the step being timed."""
+
+    times: deque[int] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    started: int | None = None
+    mark: tuple[bool, int, int] = (False, 0, 0)
+    """At the step's start: (the training loop steady, compiles, re-arms)."""
+
+    def start(self, mark: tuple[bool, int, int]) -> None:
+        self.started, self.mark = time.perf_counter_ns(), mark
+
+    def end(self, mark: tuple[bool, int, int]) -> None:
+        """Keep the step's time if it was steady throughout (``mark`` as at its start)."""
+        if self.started is not None and mark[0] and mark == self.mark:
+            self.times.append(time.perf_counter_ns() - self.started)
+        self.started = None
+
+
+def bottom_line(clock: StepClock, lookup: dict[str, float], direct: bool = False) -> dict[str, Any]:
+    """``summary()["step"]``: the median steady step, the saving per step and its shares.
+
+    ``saved_share`` is the saving as a share of the step it came from (the steady step
+    plus the saving: the step with full guards); ``guards_share`` the share of the
+    steady step that guards still take. ``None`` where not measured, and ``why`` says
+    why. ``direct``: the run dispatches directly (turbo), where the windows do not run.
+    """
+    times = list(clock.times)
+    median = statistics.median(times) / 1e3 if len(times) >= 2 else None
+    saved = lookup["full_guards"] - lookup["steady"] if "steady" in lookup else None
+    why = None
+    if median is None:
+        why = "fewer than 2 steady training steps"
+    elif saved is None:
+        why = (
+            _NOT_UNDER_TURBO
+            if direct
+            else "the lookup windows did not run (several processes, or measure_lookup=False)"
+        )
+    return {
+        "steady_steps": len(times),
+        "median_us": None if median is None else round(median, 1),
+        "saved_us": None if saved is None else round(saved, 1),
+        "saved_share": None
+        if median is None or saved is None
+        else round(saved / (median + saved), 4),
+        "guards_share": None
+        if median is None or "steady" not in lookup
+        else round(lookup["steady"] / median, 4),
+        "why": why,
+    }
+
+
+def step_metrics(step: dict[str, Any]) -> dict[str, float]:
+    """The metrics logged once per training pass: ``guard/step_ms`` (the median steady
+    step) and ``guard/saved_us_per_step``, each where measured."""
+    values = {"guard/step_ms": step["median_us"] / 1e3} if step["median_us"] else {}
+    if step["saved_us"] is not None:
+        values["guard/saved_us_per_step"] = step["saved_us"]
+    return values
