@@ -172,8 +172,11 @@ def test_bottom_line_figures_are_consistent() -> None:
     assert math.isclose(got["saved_share"], 45.0 / 2045.0, abs_tol=1e-4)
     assert math.isclose(got["guards_share"], 5.0 / 2000.0, abs_tol=1e-4)
     assert got["why"] is None
-    turbo = bottom_line(clock, {}, direct=True)
-    assert turbo["saved_us"] is None and "direct dispatch" in turbo["why"]
+    assert got["note"] is None
+    turbo = bottom_line(clock, {"full_guards": 50.0, "steady": 0.0}, direct=True)
+    assert turbo["saved_us"] == 50.0 and "direct calls' own checks" in turbo["note"]
+    unmeasured = bottom_line(clock, {})
+    assert unmeasured["saved_us"] is None and "lookup windows did not run" in unmeasured["why"]
     assert bottom_line(StepClock(), {})["why"] == "fewer than 2 steady training steps"
 
 

@@ -197,7 +197,11 @@ def test_one_tensor_passed_twice_is_not_run_by_an_entry_for_two() -> None:
     the stance."""
     model = Doubling()
     eager = copy.deepcopy(model)
-    with torch.no_grad(), guard_tuner(model, "turbo", warmup_steps=2, stable_steps=1) as t:
+    # No lookup window: its batches run with full guards, and 5 steps must reach direct calls.
+    with (
+        torch.no_grad(),
+        guard_tuner(model, "turbo", warmup_steps=2, stable_steps=1, measure_lookup=False) as t,
+    ):
         model.eval()
         eager.eval()
         for _ in range(5):
@@ -350,7 +354,10 @@ def test_lightning_run_matches_eager(preset: str) -> None:
     if cb.settings.direct_dispatch:  # also `aggressive` under pytest --turbo-everywhere
         assert direct["on"] and direct["calls"] > 0
         assert "direct dispatch  on:" in cb.format_summary()
-        assert s["lookup_us"] == {}  # not profiled: direct calls skip the entry path
+        # Profiled under turbo too: full guards, then what Dynamo's entry path still costs.
+        assert "full_guards" in s["lookup_us"], (s["lookup_us"], s["step"])
+        if "steady" in s["lookup_us"]:
+            assert s["step"]["saved_us"] is not None and s["step"]["note"], s["step"]
     else:
         assert not direct["requested"] and direct["calls"] == 0
         assert "direct dispatch" not in cb.format_summary()
