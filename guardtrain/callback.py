@@ -30,8 +30,8 @@ class GuardTuneCallback(EngineView, Callback):
 
     The callback compiles its targets in place when the run starts (after the
     strategy placed the model), counts Dynamo compilations while each loop warms
-    up, then makes that loop steady (presets ``balanced``, ``aggressive`` and
-    ``turbo``): each target call sets ``skip_guard_eval_unsafe`` around its own
+    up, then makes that loop steady (presets ``auto``, the default, ``balanced``,
+    ``aggressive`` and ``turbo``): each target call sets ``skip_guard_eval_unsafe`` around its own
     compiled call and puts the stance back after it (H41), so the loss, the optimizer
     step and every other compiled function run with full guards. Whenever the inputs or
     the model differ from what was warmed, the loop goes back to full guards (a
