@@ -28,7 +28,17 @@ __all__ = [
     "tiny_gpt2",
 ]
 
-CONFIGS = ("eager", "compile", "off", "safe", "balanced", "aggressive", "turbo", "floor")
+CONFIGS = (
+    "eager",
+    "compile",
+    "off",
+    "safe",
+    "balanced",
+    "aggressive",
+    "turbo",
+    "aot",
+    "floor",
+)
 """Every configuration, in table order."""
 PRESET_CONFIGS = ("off", "safe", "balanced", "aggressive", "turbo")
 """The configurations that are presets, run through the engine's levers."""
