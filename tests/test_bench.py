@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from torch import nn
 from guardtrain import bench
 from guardtrain.profiling import LookupWindow, profiler_active
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--backend", "eager", "--repeats", "2", "--calls", "4", "--steps", "2", "--no-progress"]
 
 
@@ -582,3 +584,66 @@ def test_ratios_to_the_anchor_are_paired_per_repeat() -> None:
     assert spread["call_vs_aot"]["min"] == pytest.approx(0.9)
     assert spread["call_vs_aot"]["max"] == pytest.approx(1.1)
     assert ratios["step_vs_aot"] is None and "step_vs_aot" not in spread
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+def make():
+    return nn.Linear(4, 4), torch.randn(2, 4)
+"""
+
+#: What pip writes for ``[project.scripts] guardtrain = "guardtrain.bench:cli"``: run as
+#: a file, so ``sys.path[0]`` is the script's folder, not the working directory.
+CONSOLE_SCRIPT = """
+import sys
+from guardtrain.bench import cli
+if __name__ == "__main__":
+    sys.exit(cli())
+"""
+
+
+def _console_script(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run the console script from ``tmp_path / "work"``, with only this checkout added to
+    the import path (no empty entry, which would stand for the working directory)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    script = bindir / "guardtrain"
+    script.write_text(CONSOLE_SCRIPT)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *paths])}
+    return subprocess.run(
+        [sys.executable, str(script), "bench", *argv],
+        cwd=tmp_path / "work",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_console_script_imports_a_factory_from_the_working_directory(tmp_path: Path) -> None:
+    """``guardtrain bench --model mymodule:factory`` run beside ``mymodule.py``: the module
+    is found in the working directory, as with ``python -m``; a bad spec names the value,
+    what is allowed and the working directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "gt_cwd_factory.py").write_text(FACTORY)
+    out = tmp_path / "out.json"
+    common = ["--configs", "eager", "--repeats", "1", "--calls", "2", "--no-step", "--no-progress"]
+    done = _console_script(tmp_path, "--model", "gt_cwd_factory:make", *common, "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert [r["model"] for r in data["results"]] == ["gt_cwd_factory:make"]
+    assert data["results"][0]["call_us"] > 0
+    bad = _console_script(tmp_path, "--model", "gt_no_such_module:make", *common)
+    assert bad.returncode == 2
+    assert "'gt_no_such_module:make'" in bad.stderr and "package.module:factory" in bad.stderr
+    assert f"working directory {work.resolve()}" in bad.stderr
+    missing = _console_script(tmp_path, "--model", "gt_cwd_factory:nothing", *common)
+    assert missing.returncode == 2
+    assert (
+        "'gt_cwd_factory:nothing'" in missing.stderr and "no callable 'nothing'" in missing.stderr
+    )
