@@ -15,7 +15,11 @@ the call's own arguments, each check a steady call makes before its compiled cal
   steady path does (H41);
 * ``whole``: one whole steady call through the installed ``forward`` with the compiled
   call stubbed (it returns a fixed output), minus the same call of a plain module that
-  returns that output: everything guardtrain adds to a call.
+  returns that output: everything guardtrain adds to a call;
+* ``turbo whole``: the same with ``turbo``, whose steady call runs the harvested entry
+  directly (H30): every entry of its dispatch table stubbed, so the figure is turbo's
+  per-call checks (the flags, polled dictionaries and key above, the outside-state check,
+  the entry's key, global-state and tensor checks) and its Python around them.
 
 Two targets: one ``Linear`` called with one tensor and three plain arguments (an int,
 a float, a str) that also reads a class attribute and a list attribute, and a
@@ -182,6 +186,32 @@ def measure(model: nn.Module, args: tuple[Any, ...]) -> dict[str, float]:
         tuner.__exit__(None, None, None)
 
 
+def turbo_whole(model: nn.Module, args: tuple[Any, ...]) -> float:
+    """ns per steady ``turbo`` call with every harvested entry stubbed, minus a plain call."""
+    tuner = steady_tuner(model, args, "turbo")
+    try:
+        with torch.no_grad():
+            target = model.forward._guardtrain_target  # type: ignore[union-attr]
+            with tuner.step((args[0],)):
+                out = model(*args)
+            entries = [e for table in target.dispatch_table.values() for e in table]
+            assert entries, "turbo harvested no entry: not steady"
+            for entry in entries:
+                entry.fn = lambda *a, **k: out
+            calls = target.direct_calls
+
+            class Plain(nn.Module):
+                def forward(self, *a: Any) -> torch.Tensor:
+                    return out
+
+            stub = Plain()
+            whole_ns = per_call(lambda: model(*args)) - per_call(lambda: stub(*args))
+            assert target.direct_calls > calls, "the calls did not run directly"
+            return whole_ns
+    finally:
+        tuner.__exit__(None, None, None)
+
+
 def opcodes(model: nn.Module, args: tuple[Any, ...], preset: str) -> tuple[int, int, Counter]:
     """``(frames, opcodes, by opcode name)`` executed in guardtrain's frames by one steady
     call (the compiled call stubbed for ``aggressive``, turbo's direct entry run as is)."""
@@ -193,7 +223,7 @@ def opcodes(model: nn.Module, args: tuple[Any, ...], preset: str) -> tuple[int, 
     frames = [0]
     try:
         with torch.no_grad():
-            target = model.forward._guardtrain_target  # type: ignore[union-attr]
+            target = model.forward._guardtrain_target  # type: ignore[union-attr,attr-defined]
             with tuner.step((args[0],)):
                 out = model(*args)
                 if preset != "turbo":
@@ -369,16 +399,17 @@ def main() -> None:
     print(f"torch {torch.__version__}; ns per call (median of 7, minus an empty loop)")
     print(
         "| target | flags | polled (dicts, classes, lists) | argument key | stance | "
-        "sum | whole call |"
+        "sum | whole call | turbo whole call |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for label, make, args in rows:
         r = measure(make(), args)
+        turbo = turbo_whole(make(), args)
         total = r["changed"] + r["polled"] + r["key"] + r["stance"]
         print(
             f"| {label} | {r['changed']:.0f} | {r['polled']:.0f} ({r['dicts']:.0f}, "
             f"{r['classes']:.0f}, {r['lists']:.0f}) | {r['key']:.0f} | {r['stance']:.0f} | "
-            f"{total:.0f} | {r['whole']:.0f} |"
+            f"{total:.0f} | {r['whole']:.0f} | {turbo:.0f} |"
         )
     if options.opcodes:
         print("\n| target | preset | frames | opcodes | LOAD_ATTR | CALL |")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,7 @@ from torch import nn
 from guardtrain import bench
 from guardtrain.profiling import LookupWindow, profiler_active
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--backend", "eager", "--repeats", "2", "--calls", "4", "--steps", "2", "--no-progress"]
 
 
@@ -259,7 +262,7 @@ def test_user_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (
             ["--configs", "eager,fast"],
             "'fast'",
-            "eager, compile, off, safe, balanced, aggressive, turbo, floor",
+            "eager, compile, off, safe, balanced, aggressive, turbo, aot, floor",
         ),
     ],
 )
@@ -408,7 +411,7 @@ def test_regional_turbo_shares_code_and_divides_by_frames() -> None:
     torch._dynamo.reset()
     options = bench.BenchOptions(
         models=["regional"],
-        configs=["turbo", "floor"],
+        configs=["turbo", "aot", "floor"],
         repeats=2,
         backend="eager",
         calls=4,
@@ -431,3 +434,216 @@ def test_regional_turbo_shares_code_and_divides_by_frames() -> None:
     checked = bench.check_targets(data["results"])
     goals = {(t["config"], t["what"]) for t in checked}
     assert ("turbo", "call_vs_floor") in goals and ("turbo", "matches_eager") in goals
+    # The anchor serves each block through its `_compiled_call_impl`: the two blocks share
+    # one function per kind of call, and turbo's call is checked against it.
+    aot = by["aot"]
+    assert aot["compiles"] == 2 and aot["call_us"] > 0 and aot["step_us"] > 0
+    assert aot["guard_us"] == 0.0 and aot["matches_eager"] is False
+    assert ("turbo", "call_vs_aot") in goals
+
+
+def test_anchor_row_and_columns(tiny_run: tuple[dict[str, Any], str]) -> None:
+    """The anchor ``aot`` is measured in the same windows: no guard evaluated, one function
+    per kind of call, the training graph reused after ``eval()``; every row has its paired
+    ratios to it, and the table its two ``/aot`` columns."""
+    data, table = tiny_run
+    by = {r["config"]: r for r in data["results"]}
+    aot = by["aot"]
+    assert aot["guard_us"] == 0.0 and aot["pregraph_us"] is not None
+    assert aot["call_us"] > 0 and aot["step_us"] > 0
+    assert aot["compiles"] == 2  # one function under no_grad, one for the training step
+    assert aot["matches_eager"] is False and aot["eval_check_compiles"] == 0
+    assert aot["anchor"] == {"functions": 2}
+    for config, r in by.items():
+        for metric in ("call", "step"):
+            ratios = [
+                s[f"{metric}_us"] / a[f"{metric}_us"] for s, a in zip(r["repeats"], aot["repeats"])
+            ]
+            assert r["ratios"][f"{metric}_vs_aot"] == pytest.approx(statistics.median(ratios)), (
+                config
+            )
+    header, _, *lines = table.splitlines()
+    columns = [c.strip() for c in header.split("|")[1:-1]]
+    assert columns.count("/aot") == 2  # call and step
+    aot_line = next(line for line in lines if "| aot " in line)
+    assert "NO (unsound)" in aot_line and "1.00 [1.00-1.00]" in aot_line
+    turbo_line = next(line for line in lines if "| turbo " in line)
+    cells = [c.strip() for c in turbo_line.split("|")[1:-1]]
+    call_vs_aot = cells[columns.index("/aot")]
+    assert call_vs_aot.startswith(f"{by['turbo']['ratios']['call_vs_aot']:.2f} [")
+
+
+GRAPH_BREAK = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+def make():
+    return Net(), torch.randn(3, 4)
+"""
+
+
+def test_anchor_shows_a_dash_where_it_cannot_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A graph break: ``aot_compile`` needs ``fullgraph=True``, so the row is ``-`` with the
+    reason, no ratio to it is reported and the checks have no goal against it."""
+    (tmp_path / "gb_anchor_mod.py").write_text(GRAPH_BREAK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "gb.json"
+    argv = [*FAST, "--model", "gb_anchor_mod:make", "--configs", "compile,turbo,aot,floor"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    by = {r["config"]: r for r in data["results"]}
+    aot = by["aot"]
+    for metric in ("guard_us", "pregraph_us", "call_us", "step_us", "matches_eager"):
+        assert aot[metric] is None, metric
+    assert aot["compiles"] == 0
+    assert "graph break" in aot["anchor"]["unavailable"]
+    assert "fullgraph=True" in aot["anchor"]["unavailable"]
+    for r in by.values():
+        assert r["ratios"]["call_vs_aot"] is None and "call_vs_aot" not in r["ratio_spread"]
+    aot_line = next(line for line in printed.splitlines() if "| aot " in line)
+    cells = [c.strip() for c in aot_line.split("|")[1:-1]]
+    assert cells[:2] == ["gb_anchor_mod:make", "aot"]
+    assert set(cells[2:]) - {"0"} == {"-"}  # the compiles column: none
+    assert "gb_anchor_mod:make/aot: not measured: graph break" in printed
+    # Had it been the regional model: its goals against floor, none against the anchor.
+    as_regional = [{**r, "model": "regional"} for r in data["results"]]
+    goals = {t["what"] for t in bench.check_targets(as_regional)}
+    assert "call_vs_floor" in goals and "call_vs_aot" not in goals
+    sys.modules.pop("gb_anchor_mod", None)
+
+
+def test_anchor_missing_from_torch_is_a_dash(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench.anchor, "anchor_missing", lambda: "torch 2.0 has no aot_compile")
+    assert bench.main([*FAST, "--model", "mlp", "--tiny", "--configs", "aot"]) == 0
+    printed = capsys.readouterr().out
+    assert "mlp/aot: not measured: torch 2.0 has no aot_compile" in printed
+
+
+def _turbo_vs_anchor(model: str, ratio: float, low: float, high: float) -> dict[str, Any]:
+    return {
+        "model": model,
+        "config": "turbo",
+        "matches_eager": True,
+        "ratios": {"call_vs_aot": ratio},
+        "ratio_spread": {"call_vs_aot": {"median": ratio, "min": low, "max": high}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("ratio", "met"), [(0.97, True), (1.0, True), (1.004, False), (1.2, False)]
+)
+def test_check_holds_turbo_at_or_below_the_anchor(ratio: float, met: bool) -> None:
+    """Synthetic numbers: the goal compares the median of turbo's paired per-repeat call
+    ratios to the anchor with 1.00, on the transformer and the regional model only."""
+    results = [
+        _turbo_vs_anchor("transformer", ratio, ratio - 0.05, ratio + 0.05),
+        _turbo_vs_anchor("regional", ratio, 0.9, 1.1),
+        _turbo_vs_anchor("mlp", 5.0, 5.0, 5.0),
+    ]
+    checked = [t for t in bench.check_targets(results) if t["what"] == "call_vs_aot"]
+    assert [(t["model"], t["bound"], t["met"]) for t in checked] == [
+        ("transformer", 1.0, met),
+        ("regional", 1.0, met),
+    ]
+    text = bench.format_checks(checked)
+    verdict = "met" if met else "NOT met"
+    assert f"target regional/turbo call_vs_aot <= 1.0: {ratio:.3f} [0.900-1.100] {verdict}" in text
+
+
+def test_ratios_to_the_anchor_are_paired_per_repeat() -> None:
+    """Synthetic repeats: each repeat's call over the anchor's call in the same repeat; the
+    median of those, with their range (not a ratio of medians)."""
+    rows = [
+        {"call_us": 90.0, "step_us": None},
+        {"call_us": 220.0, "step_us": None},
+        {"call_us": 99.0, "step_us": None},
+    ]
+    anchor = [
+        {"call_us": 100.0, "step_us": None},
+        {"call_us": 200.0, "step_us": None},
+        {"call_us": 100.0, "step_us": None},
+    ]
+    ratios, spread = bench.measure._ratios(rows, None, None, anchor)
+    assert ratios["call_vs_aot"] == pytest.approx(0.99)  # of 0.90, 1.10, 0.99
+    assert spread["call_vs_aot"]["min"] == pytest.approx(0.9)
+    assert spread["call_vs_aot"]["max"] == pytest.approx(1.1)
+    assert ratios["step_vs_aot"] is None and "step_vs_aot" not in spread
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+def make():
+    return nn.Linear(4, 4), torch.randn(2, 4)
+"""
+
+#: What pip writes for ``[project.scripts] guardtrain = "guardtrain.bench:cli"``: run as
+#: a file, so ``sys.path[0]`` is the script's folder, not the working directory.
+CONSOLE_SCRIPT = """
+import sys
+from guardtrain.bench import cli
+if __name__ == "__main__":
+    sys.exit(cli())
+"""
+
+
+def _console_script(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run the console script from ``tmp_path / "work"``, with only this checkout added to
+    the import path (no empty entry, which would stand for the working directory)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    script = bindir / "guardtrain"
+    script.write_text(CONSOLE_SCRIPT)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *paths])}
+    return subprocess.run(
+        [sys.executable, str(script), "bench", *argv],
+        cwd=tmp_path / "work",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_console_script_imports_a_factory_from_the_working_directory(tmp_path: Path) -> None:
+    """``guardtrain bench --model mymodule:factory`` run beside ``mymodule.py``: the module
+    is found in the working directory, as with ``python -m``; a bad spec names the value,
+    what is allowed and the working directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "gt_cwd_factory.py").write_text(FACTORY)
+    out = tmp_path / "out.json"
+    common = ["--configs", "eager", "--repeats", "1", "--calls", "2", "--no-step", "--no-progress"]
+    done = _console_script(tmp_path, "--model", "gt_cwd_factory:make", *common, "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert [r["model"] for r in data["results"]] == ["gt_cwd_factory:make"]
+    assert data["results"][0]["call_us"] > 0
+    bad = _console_script(tmp_path, "--model", "gt_no_such_module:make", *common)
+    assert bad.returncode == 2
+    assert "'gt_no_such_module:make'" in bad.stderr and "package.module:factory" in bad.stderr
+    assert f"working directory {work.resolve()}" in bad.stderr
+    missing = _console_script(tmp_path, "--model", "gt_cwd_factory:nothing", *common)
+    assert missing.returncode == 2
+    assert (
+        "'gt_cwd_factory:nothing'" in missing.stderr and "no callable 'nothing'" in missing.stderr
+    )

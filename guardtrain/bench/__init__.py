@@ -33,6 +33,17 @@ Configurations:
   between turns the stance is off for the other configurations. The engine's
   targets follow its own rules: for ``regional`` the 12 blocks share one code
   object (H24), where the other presets' rows compile each block privately.
+* ``aot``: PyTorch's ``aot_compile().disable_guard_check()``, unsound: the anchor for
+  ``turbo`` (:mod:`~guardtrain.bench.anchor`). The class's ``forward`` compiled ahead of
+  time, ``torch.compile(forward, fullgraph=True).aot_compile(((module, *args), kwargs))``,
+  once under ``no_grad`` and once in grad mode (both in training mode), and called with
+  its guard check disabled: no guard, no Dynamo entry path (vLLM's dispatch). The bench
+  picks the function by the kind of call; for ``regional`` each block's call runs it
+  (``_compiled_call_impl``, blocks of one structure sharing it). A model with a graph
+  break (``fullgraph=True`` is required), a backend whose output cannot be serialized or
+  a torch without the API: ``-`` in every column, the reason under the table (JSON:
+  ``anchor.unavailable``); a training step it cannot compile: ``step_us`` ``-``
+  (``anchor.step_unavailable``). After ``eval()`` it still runs the training graph.
 * ``floor``: ``torch.compiler.skip_all_guards_unsafe`` + ``install_free_tensors``:
   the unsound lower limit, for reference. It keeps Dynamo's one global-state
   guard (grad mode, autocast), so that the training step and the ``no_grad``
@@ -47,11 +58,14 @@ see :mod:`guardtrain.profiling`), ``call_us`` (a whole ``no_grad`` call, without
 the profiler), ``step_us`` (forward, backward, ``SGD.step``), ``compiles``
 (Dynamo frame compiles during warm-up and measurement), ``call-floor µs/frame``
 (per repeat, the call minus ``floor``'s call, divided by the compiled frames per
-call: 12 for ``regional``, 1 for a whole model; median and range) and
+call: 12 for ``regional``, 1 for a whole model; median and range), the paired ratios
+``/compile``, ``/floor`` and ``/aot`` (call and step; each repeat's value over the other
+configuration's in the same repeat, median and range) and
 ``matches_eager``: after the measurements (training mode), the model is switched to ``eval()``
 and called under ``no_grad``; the output must equal the uncompiled model's
-with the same weights. ``floor`` fails this on models with dropout: it reuses
-the training-mode graph.
+with the same weights. ``floor`` and ``aot`` fail this on models with dropout: they reuse
+the training-mode graph. Under ``aot`` the profiler sees no guard evaluation
+(``guard_us`` 0) but the pre-graph bytecode that reads the parameters off the module.
 
 ``call_us`` and ``step_us`` time every call on its own and take the median of
 the window; within a repeat the configurations take turns every
@@ -62,7 +76,8 @@ machine with 2 shared cores, two OpenMP threads spin against other processes
 (a 32x64 @ 64x64 matmul took 22 ms with 2 threads, 34 µs with 1).
 
 The output shows results only; ``--check`` also checks the project's
-performance targets (:mod:`guardtrain.bench.checks`) and exits with status 1
+performance targets (:mod:`guardtrain.bench.checks`; among them ``turbo``'s ``no_grad``
+call at or below ``aot``'s on ``transformer`` and ``regional``) and exits with status 1
 when one is missed.
 
 ``--workload NAME`` (repeatable, or ``all``) runs the speed suite of real workloads
@@ -78,6 +93,7 @@ exits 1 when a preset's ratio is above 1.00.
 Modules: :mod:`~guardtrain.bench.models` (configurations and models),
 :mod:`~guardtrain.bench.runner` (one configuration), :mod:`~guardtrain.bench.measure`
 (the interleaved run), :mod:`~guardtrain.bench.report` (table, JSON, plot),
+:mod:`~guardtrain.bench.anchor` (the ``aot`` anchor),
 :mod:`~guardtrain.bench.checks` (targets), :mod:`~guardtrain.bench.cost`
 (``--callback-cost``), :mod:`~guardtrain.bench.workloads` (``--workload``),
 :mod:`~guardtrain.bench.command` (the command line).
@@ -85,6 +101,7 @@ Modules: :mod:`~guardtrain.bench.models` (configurations and models),
 
 from __future__ import annotations
 
+from guardtrain.bench.anchor import ANCHOR, AotRunner
 from guardtrain.bench.checks import (
     MODEL_TARGETS,
     TARGETS,
@@ -100,6 +117,7 @@ from guardtrain.bench.measure import (
     STEP_CHUNK,
     BenchOptions,
     Progress,
+    make_runner,
     run_bench,
 )
 from guardtrain.bench.models import (
@@ -112,9 +130,10 @@ from guardtrain.bench.models import (
     parse_configs,
 )
 from guardtrain.bench.report import format_table, plot
-from guardtrain.bench.runner import EngineRunner, Runner, make_runner
+from guardtrain.bench.runner import EngineRunner, Runner
 
 __all__ = [
+    "ANCHOR",
     "CALL_CHUNK",
     "CONFIGS",
     "ENGINE_CONFIGS",
@@ -124,6 +143,7 @@ __all__ = [
     "STEP_CHUNK",
     "MODEL_TARGETS",
     "TARGETS",
+    "AotRunner",
     "BenchModel",
     "BenchOptions",
     "Progress",

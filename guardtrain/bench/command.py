@@ -26,7 +26,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         prog=prog,
         description=(
             "Measure guard, pre-graph, whole-call and training-step time of eager, "
-            "torch.compile, the guardtrain presets and the unsound floor, interleaved "
+            "torch.compile, the guardtrain presets, PyTorch's guard-free "
+            "aot_compile().disable_guard_check() (aot) and the unsound floor, interleaved "
             "in one process; or, with --workload, the whole training step of real "
             "workloads under plain compile and the presets."
         ),

@@ -12,8 +12,16 @@ from typing import Any
 
 import torch
 
-from guardtrain.bench.models import CONFIGS, MODELS, BenchModel, build_model, parse_configs
-from guardtrain.bench.runner import Runner, make_runner
+from guardtrain.bench.anchor import ANCHOR, AotRunner
+from guardtrain.bench.models import (
+    CONFIGS,
+    ENGINE_CONFIGS,
+    MODELS,
+    BenchModel,
+    build_model,
+    parse_configs,
+)
+from guardtrain.bench.runner import EngineRunner, Runner
 from guardtrain.compile import resolve_targets
 from guardtrain.engine.process import stance_is_unsafe
 from guardtrain.errors import GuardTrainValueError
@@ -26,6 +34,7 @@ __all__ = [
     "BenchOptions",
     "Progress",
     "frames_per_call",
+    "make_runner",
     "run_bench",
 ]
 
@@ -96,6 +105,14 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def make_runner(model: BenchModel, config: str, backend: str, train_step: bool = True) -> Runner:
+    """The runner of ``config``: an :class:`~guardtrain.bench.runner.EngineRunner` for
+    :data:`~guardtrain.bench.models.ENGINE_CONFIGS`, an
+    :class:`~guardtrain.bench.anchor.AotRunner` for the anchor ``aot``."""
+    cls = AotRunner if config == ANCHOR else EngineRunner if config in ENGINE_CONFIGS else Runner
+    return cls(model, config, backend, train_step)
 
 
 def _machine() -> dict[str, Any]:
@@ -237,8 +254,7 @@ def _run_model(model: BenchModel, shared: _Shared) -> list[dict[str, Any]]:
             runners[config].warm_up()
             warmup_s[config] = time.perf_counter() - t0
             shared.progress.update(f"{model.name}: warm up {config}")
-        first = runners["compile" if "compile" in runners else shared.configs[-1]]
-        windows = _calibrate(first, shared.options)
+        windows = _calibrate(_calibrating(runners), shared.options)
         samples: dict[str, list[Sample]] = {c: [] for c in shared.configs}
         for r in range(shared.options.repeats):
             row = _repeat(runners, r, windows, shared)
@@ -260,14 +276,26 @@ def _run_model(model: BenchModel, shared: _Shared) -> list[dict[str, Any]]:
             runner.close()
 
 
-def _calibrate(first: Runner, options: BenchOptions) -> _Windows:
+def _calibrating(runners: dict[str, Runner]) -> Runner | None:
+    """The runner the windows are calibrated on: ``compile``, else the last configuration
+    that serves both the call and the step (None: none serves the call)."""
+    order = [runners[c] for c in ("compile", *reversed(list(runners))) if c in runners]
+    serving = [r for r in order if r.unavailable is None]
+    full = [r for r in serving if r.step_unavailable is None]
+    found = full or serving
+    return found[0] if found else None
+
+
+def _calibrate(first: Runner | None, options: BenchOptions) -> _Windows:
     """Calls and steps per window: as given, else enough for ``options.window_s``."""
     calls, steps = options.calls, options.steps
     if calls is None:
-        per_call = statistics.median(first.timed(first.forward_no_grad, 5)) / 1e6
+        times = first.timed(first.forward_no_grad, 5) if first is not None else []
+        per_call = statistics.median(times) / 1e6 if times else options.window_s
         calls = max(20, min(400, round(options.window_s / max(per_call, 1e-6))))
     if steps is None and options.train_step:
-        per_step = statistics.median(first.timed(first.train_step, 3)) / 1e6
+        times = first.timed(first.train_step, 3) if first is not None else []
+        per_step = statistics.median(times) / 1e6 if times else options.window_s
         steps = max(6, min(200, round(options.window_s / max(per_step, 1e-6))))
     if not options.train_step or steps is None:
         steps = 0
@@ -309,7 +337,7 @@ def _timed_in_turns(
     """``n`` timed calls of ``work`` per configuration, round-robin in chunks of ``chunk``:
     every configuration sees the same load."""
     times: dict[str, list[float]] = {c: [] for c in order}
-    while n > 0 and len(times[order[0]]) < n:
+    for _ in range(-(-n // chunk) if n > 0 else 0):  # rounds of a chunk each
         for config in order:
             runner = runners[config]
             times[config] += runner.timed(getattr(runner, work), chunk)
@@ -329,16 +357,20 @@ def _medians(rows: list[Sample]) -> tuple[dict[str, float | None], dict[str, Any
 
 
 def _ratios(
-    rows: list[Sample], base: list[Sample] | None, floor: list[Sample] | None
+    rows: list[Sample],
+    base: list[Sample] | None,
+    floor: list[Sample] | None,
+    anchor: list[Sample] | None = None,
 ) -> tuple[dict[str, float | None], dict[str, dict[str, float]]]:
-    """Paired per-repeat ratios against ``compile`` and ``floor`` (where they ran): their
-    medians, and their median, min and max (the spread)."""
+    """Paired per-repeat ratios against ``compile``, ``floor`` and the anchor ``aot`` (where
+    they ran; none where the anchor could not serve): their medians, and their median, min
+    and max (the spread)."""
     paired: dict[str, list[float]] = {}
     if base is not None:
         paired["lookup_vs_compile"] = _paired(
             [_lookup(s) for s in rows], [_lookup(s) for s in base]
         )
-    for name, other in (("compile", base), ("floor", floor)):
+    for name, other in (("compile", base), ("floor", floor), (ANCHOR, anchor)):
         if other is None:
             continue
         for metric in ("call", "step"):
@@ -358,7 +390,7 @@ def _result(
     frames: int = 1,
 ) -> dict[str, Any]:
     """One row of the results: the eval check, medians, spread, ratios, counters."""
-    matches, diff = runner.eval_check()
+    matches, diff = (None, None) if runner.unavailable else runner.eval_check()
     rows = samples[runner.config]
     medians, spread = _medians(rows)
     result: dict[str, Any] = {"model": model.name, "config": runner.config, **medians}
@@ -384,7 +416,9 @@ def _result(
         lookup_calls_per_window=windows.lookup_calls,
         warmup_s=round(warmup_s, 2),
     )
-    ratios, ratio_spread = _ratios(rows, samples.get("compile"), samples.get("floor"))
+    ratios, ratio_spread = _ratios(
+        rows, samples.get("compile"), samples.get("floor"), samples.get(ANCHOR)
+    )
     per_frame = _per_frame(rows, samples.get("floor"), frames)
     result.update(
         ratios=ratios,

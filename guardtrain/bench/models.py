@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +30,17 @@ __all__ = [
     "tiny_gpt2",
 ]
 
-CONFIGS = ("eager", "compile", "off", "safe", "balanced", "aggressive", "turbo", "floor")
+CONFIGS = (
+    "eager",
+    "compile",
+    "off",
+    "safe",
+    "balanced",
+    "aggressive",
+    "turbo",
+    "aot",
+    "floor",
+)
 """Every configuration, in table order."""
 PRESET_CONFIGS = ("off", "safe", "balanced", "aggressive", "turbo")
 """The configurations that are presets, run through the engine's levers."""
@@ -116,6 +128,16 @@ def _model_error(spec: str, why: str) -> GuardTrainValueError:
     )
 
 
+def _working_directory_on_path() -> None:
+    """Put the working directory first on ``sys.path`` unless it is there already, as
+    ``python -m`` does and as uvicorn and gunicorn do for their ``module:attr`` specs: the
+    ``guardtrain`` console script starts with its own directory there instead, so a
+    ``mymodule:factory`` beside the user would not be found."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+        sys.path.insert(0, cwd)
+
+
 def check_model_specs(specs: Sequence[str]) -> None:
     """Fail on an unknown built-in name before anything is compiled.
 
@@ -131,7 +153,8 @@ def build_model(spec: str, tiny: bool = False) -> BenchModel:
     """Build a built-in model by name, or call a user factory ``package.module:factory``.
 
     The factory takes no argument and returns ``(module, example_input)``; the
-    input is a tensor or a tuple of positional arguments.
+    input is a tensor or a tuple of positional arguments. The module is imported with
+    the working directory on ``sys.path`` (:func:`_working_directory_on_path`).
 
     Raises:
         GuardTrainValueError: an unknown name, or a factory that cannot be imported
@@ -146,10 +169,13 @@ def build_model(spec: str, tiny: bool = False) -> BenchModel:
     mod_name, _, attr = spec.partition(":")
     if not mod_name or not attr:
         raise _model_error(spec, "expected package.module:factory")
+    _working_directory_on_path()
     try:
         module = importlib.import_module(mod_name)
     except ImportError as err:
-        raise _model_error(spec, f"cannot import {mod_name!r} ({err})") from None
+        raise _model_error(
+            spec, f"cannot import {mod_name!r} ({err}; working directory {os.getcwd()})"
+        ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise _model_error(spec, f"{mod_name!r} has no callable {attr!r}")

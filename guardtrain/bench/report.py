@@ -19,10 +19,12 @@ HEADER = (
     "call µs",
     "/compile",
     "/floor",
+    "/aot",
     "call-floor µs/frame",
     "step µs",
     "/compile",
     "/floor",
+    "/aot",
     "compiles",
     "eval ok",
 )
@@ -64,6 +66,18 @@ def _per_frame(r: dict[str, Any]) -> str:
     return f"{s['median']:+.1f} [{s['min']:+.1f}, {s['max']:+.1f}]"
 
 
+UNSOUND = ("aot", "floor")
+"""The references that skip every guard: their wrong ``eval()`` result is shown."""
+
+
+def _eval_ok(r: dict[str, Any]) -> str:
+    if r["matches_eager"] is None:  # the configuration could not serve the model
+        return "-"
+    return ("yes" if r["matches_eager"] else "NO") + (
+        " (unsound)" if r["config"] in UNSOUND else ""
+    )
+
+
 def _row(r: dict[str, Any]) -> list[str]:
     ratios = r.get("ratios", {})
     return [
@@ -75,12 +89,14 @@ def _row(r: dict[str, Any]) -> list[str]:
         _fmt(r["call_us"]) + _spread(r, "call_us"),
         _ratio(ratios.get("call_vs_compile")),
         _ratio_range(r, "call_vs_floor"),
+        _ratio_range(r, "call_vs_aot"),
         _per_frame(r),
         _fmt(r["step_us"]) + _spread(r, "step_us"),
         _ratio(ratios.get("step_vs_compile")),
         _ratio_range(r, "step_vs_floor"),
+        _ratio_range(r, "step_vs_aot"),
         str(r["compiles"]),
-        ("yes" if r["matches_eager"] else "NO") + ("" if r["config"] != "floor" else " (unsound)"),
+        _eval_ok(r),
     ]
 
 
@@ -107,7 +123,8 @@ def _notes(data: dict[str, Any]) -> list[str]:
         "µs: median over repeats, ± half the range in % of the median; ratios: median of "
         "per-repeat ratios, [min-max] over the repeats; guard/pregraph: per model call (all "
         "compiled frames); call/step: median call of each window; call-floor µs/frame: "
-        "(call - floor's call) / compiled frames per call, paired per repeat, [min, max].",
+        "(call - floor's call) / compiled frames per call, paired per repeat, [min, max]; "
+        "/aot: against the anchor aot (aot_compile with its guard check disabled).",
     ]
     for r in data["results"]:
         extra = []
@@ -117,6 +134,11 @@ def _notes(data: dict[str, Any]) -> list[str]:
             extra.append(f"stance blocked: {r['stance_blocked']}")
         if r.get("misses"):
             extra.append(f"stance misses: {r['misses'][0]}")
+        anchor = r.get("anchor", {})
+        if anchor.get("unavailable"):
+            extra.append(f"not measured: {anchor['unavailable']}")
+        if anchor.get("step_unavailable"):
+            extra.append(f"no training step: {anchor['step_unavailable']}")
         for off in r.get("switched_off", []):
             extra.append(f"{off['lever']} switched off: {off['why']}")
         if r.get("driver") == "engine":

@@ -8,7 +8,9 @@ configuration runs, and each steady call sets the stance around its own compiled
 call (H41), as in a run; what blocks the stance is
 :func:`guardtrain.engine.decisions.blocker`. Only the references are the
 bench's own: ``eager`` (no compile), ``compile`` (``torch.compile``'s
-defaults) and the unsound ``floor``.
+defaults) and the unsound ``floor`` (the unsound anchor ``aot`` is
+:class:`~guardtrain.bench.anchor.AotRunner`; :func:`~guardtrain.bench.measure.make_runner`
+picks each configuration's runner).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from guardtrain import filters as _filters
-from guardtrain.bench.models import ENGINE_CONFIGS, BenchModel
+from guardtrain.bench.models import BenchModel
 from guardtrain.compile import CompiledTarget, Miss, check_compile_kwargs, resolve_targets
 from guardtrain.engine import decisions
 from guardtrain.engine import levers as _levers
@@ -43,7 +45,6 @@ __all__ = [
     "EngineRunner",
     "Runner",
     "floor_levers",
-    "make_runner",
     "preset_levers",
 ]
 
@@ -113,6 +114,11 @@ def first_tensor(out: Any) -> torch.Tensor:
 
 class Runner:
     """One configuration of one model: its own copy of the model, compiled its own way."""
+
+    unavailable: str | None = None
+    """Why this configuration cannot serve the model (nothing measured), or None."""
+    step_unavailable: str | None = None
+    """Why it cannot serve a training step (no ``step_us``), or None."""
 
     def __init__(
         self, model: BenchModel, config: str, backend: str, train_step: bool = True
@@ -441,9 +447,3 @@ class EngineRunner(Runner):
         """End the engine's run: everything it changed is put back."""
         self.engine.finish()
         self.targets = []
-
-
-def make_runner(model: BenchModel, config: str, backend: str, train_step: bool = True) -> Runner:
-    """The runner of ``config``: an :class:`EngineRunner` for :data:`ENGINE_CONFIGS`."""
-    cls = EngineRunner if config in ENGINE_CONFIGS else Runner
-    return cls(model, config, backend, train_step)
