@@ -232,6 +232,6 @@ class BatchChecks:
         measure = cfg.measure_lookup if cfg.measure_lookup is not None else not r.machine.collective
         # Not with paired calls: the window's batches would shift this rank's audits.
         # Under turbo the steady window profiles what Dynamo's entry path still costs (the
-        # calls that did not run directly); the direct calls' own checks, about 1 µs a call,
+        # calls that did not run directly); the direct calls' own checks, a few µs a call,
         # are not profiled (summary()["step"]["note"]).
         return measure and not r.paired() and "steady" not in r.lookup.lookup

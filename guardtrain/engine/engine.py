@@ -50,7 +50,7 @@ __all__ = ["GuardEngine"]
 
 # The engine's whole contract with its adapters (every entry point and all it shows
 # them) stays in one class; the work is done by the parts it holds.
-# Lines 404: the contract is its seam.
+# Lines 401: the contract is its seam.
 class GuardEngine:
     """One adapter's runs: compiled targets, phases, checks, the stance and the report.
 
@@ -385,10 +385,7 @@ class GuardEngine:
             self._batches.end_checks(loop, compiled)
         m.batch_done(loop, compiled, state.stance_at_start and state.stance_on)
         if compiled:
-            if backward_follows or state.repairs_due:
-                state.repairs_due = True  # a checkpointed block recomputes its forward (H52)
-            else:
-                self._repairs.after_compile()
+            self._repairs.after_compile(wait=backward_follows)
         if loop == TRAIN:
             if state.repairs_due:
                 pass  # no decision while the targets may still change (H52)

@@ -226,13 +226,20 @@ class Repairs:
 
     # -- graph breaks --------------------------------------------------------------------------
 
-    def after_compile(self) -> None:
+    def after_compile(self, wait: bool = False) -> None:
         """Once per batch that compiled: fingerprints, and no free tensors across graph breaks.
 
         A default target (``targets=None``) that breaks the graph is replaced by its
         parts (H20), which may break again and be split further. Warnings and the
-        summary name each break by Dynamo's reason, file and line.
+        summary name each break by Dynamo's reason, file and line. With ``wait`` (a
+        backward follows the batch), or while repairs already wait, they wait for
+        :meth:`~guardtrain.engine.engine.GuardEngine.backward_done`: a checkpointed block
+        runs its forward again in the backward and must run the same graph (H52).
         """
+        state = self.run.state
+        if wait or state.repairs_due:
+            state.repairs_due = True
+            return
         targets = self.run.targets
         found = targets.break_log.new()
         for target in list(targets.installed):

@@ -32,7 +32,7 @@ STEPS_KEPT = 512
 
 _DIRECT_NOTE = (
     "direct dispatch: the steady figure is what Dynamo's entry path still costs; the "
-    "direct calls' own checks (about 1 µs a call, `guardtrain bench`) are not profiled"
+    "direct calls' own checks (a few µs a call: docs/bench.md) are not profiled"
 )
 
 

@@ -327,7 +327,7 @@ def _direct_lines(direct: dict[str, Any]) -> list[str]:
     if direct.get("on"):
         lines = [
             f"  direct dispatch  on: {direct.get('calls', 0)} calls ran a harvested entry "
-            "directly (their own checks, about 1 µs a call, are not in the profiled guard µs)"
+            "directly (their own checks, a few µs a call, are not in the profiled guard µs)"
         ]
     else:
         lines = [f"  direct dispatch  refused: {direct.get('refused')}"]
