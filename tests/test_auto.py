@@ -13,6 +13,7 @@ import copy
 import inspect
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,6 +100,23 @@ def test_a_plain_model_runs_turbo(caplog: pytest.LogCaptureFixture) -> None:
     assert s["direct_dispatch"]["calls"] > 0
     assert "preset auto chose turbo's direct dispatch" in caplog.text
     assert "auto chose       turbo" in tuner.format_summary()
+    step = s["step"]  # GuardTuner's step is its batch
+    assert step["steady_steps"] >= 2 and step["median_us"] > 0, step
+
+
+def test_the_hf_trainer_times_its_optimizer_steps(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from hf_helpers import guard as hf_guard
+    from hf_helpers import losses, run_pair
+
+    cb = hf_guard("auto", measure_lookup=True, lookup_window=2)
+    eager, guarded = run_pair(tmp_path, cb, max_steps=16)
+    assert losses(guarded) == losses(eager)
+    s = cb.summary()
+    assert s["auto"]["chose"] == "turbo", s["auto"]
+    step = s["step"]
+    assert step["steady_steps"] >= 2 and step["median_us"] > 0, step
+    assert step["saved_us"] is not None and step["note"], step
 
 
 def test_a_model_with_a_graph_break_runs_aggressive_there() -> None:
