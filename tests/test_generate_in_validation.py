@@ -1,0 +1,152 @@
+"""A LightningModule whose ``validation_step`` calls ``model.generate()`` under
+``GuardTuneCallback``: a tiny Hugging Face Llama (1 layer, random weights) trained as a
+language model, and in each validation batch a validation loss and 6 greedy tokens
+generated after the first 6 of each sequence.
+
+The default target is the Llama (the module's one child with parameters), so every call
+of it is a compiled call: the training passes, the validation passes, and each of
+``generate()``'s calls (the prefill and 5 decode steps, in evaluation mode under
+``no_grad``). Against the same run without guardtrain (``aot_eager``, bitwise):
+
+(a) training losses, validation losses, every generated token, and the weights after
+    training;
+(b) steady: both loops reach the steady state, after warm-up at least :data:`STEADY` of
+    the training steps run under the stance, and only ``generate()``'s calls run with
+    full guards. Each carries a transformers ``DynamicCache``, an object no argument key
+    describes: it runs as plain compile runs it, checked by Dynamo's guards
+    (``summary()["full_guard_calls"]``). Without the callback both fail.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from helpers import guard_without_lookup, make_trainer
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+PRESETS = ["aggressive", "turbo"]
+AOT = {"backend": "aot_eager"}
+EPOCHS = 3
+WARMUP = 3
+PROMPT = 6
+NEW_TOKENS = 6
+STEADY = 0.75
+"""The share of the training steps after warm-up that must run under the stance."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    """One intra-op thread for this module's runs (eager and guarded alike), put back
+    after it: on a loaded 2-core machine torch's thread pool made a tiny Llama's forward
+    about 15x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class GenerateInValidation(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=3,
+        )
+        self.model = LlamaForCausalLM(config)
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.generated: list[list[list[int]]] = []
+        self.generate_calls = 0
+        """Calls of the model that ``generate()`` made (1 + a decode step per new token
+        after the first)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (ids,) = batch
+        self.val_losses.append(self.model(input_ids=ids, labels=ids).loss.item())
+        prompt = ids[:, :PROMPT]
+        out = self.model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        self.generated.append(out[:, PROMPT:].tolist())
+        self.generate_calls += out.shape[1] - PROMPT
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def loaders() -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(1)
+    train = torch.randint(4, 64, (32, 12), generator=g)
+    val = torch.randint(4, 64, (8, 12), generator=g)
+
+    def loader(x: torch.Tensor) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+
+    return loader(train), loader(val)
+
+
+def run(preset: str | None) -> tuple[GenerateInValidation, Any]:
+    module = GenerateInValidation()
+    callbacks = []
+    if preset is not None:
+        callbacks = [
+            guard_without_lookup(
+                preset, compile_kwargs=AOT, warmup_steps=WARMUP, stable_steps=2, audit_every=None
+            )
+        ]
+    L.seed_everything(0, verbose=False)
+    make_trainer(callbacks, max_epochs=EPOCHS).fit(module, *loaders())
+    return module, callbacks[0].summary() if callbacks else None
+
+
+@pytest.fixture(scope="module")
+def eager() -> GenerateInValidation:
+    return run(None)[0]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_generate_in_validation_step(eager: GenerateInValidation, preset: str) -> None:
+    got, s = run(preset)
+    # (a) eager-equal.
+    assert len(got.losses) == EPOCHS * 8
+    assert got.losses == eager.losses
+    assert got.val_losses == eager.val_losses
+    # The sanity check's 2 batches, then 2 an epoch; every token.
+    assert len(got.generated) == 2 + 2 * EPOCHS
+    assert got.generated == eager.generated
+    assert got.generate_calls == eager.generate_calls == len(got.generated) * NEW_TOKENS
+    for (name, a), b in zip(eager.state_dict().items(), got.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    # (b) steady.
+    assert s is not None
+    why = (s["steady_steps"], s["phases"], [r["reason"] for r in s["rearms"]])
+    assert s["phase"] == "steady" and s["phases"]["validate"] == "steady", why
+    assert s["steady_steps"] >= STEADY * (len(got.losses) - WARMUP), why
+    assert s["full_guard_calls"] <= got.generate_calls, (s["full_guard_calls"], why)
+    if preset == "turbo":
+        assert s["direct_dispatch"]["calls"] >= s["steady_steps"], s["direct_dispatch"]
