@@ -61,6 +61,8 @@ from typing import Any
 import pytest
 import torch
 
+from guardtrain import versions
+
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
@@ -313,6 +315,14 @@ def run_hf(tmp_path: Path, preset: str | None) -> dict[str, Any]:
     return got
 
 
+@pytest.mark.xfail(
+    versions.release() >= (2, 15),
+    raises=AssertionError,
+    strict=True,
+    reason="torch 2.15: compiles still grow after the 16th step (90, then 106 after 24): "
+    "the base model is not split there and the hook added to embed_tokens every step "
+    "re-arms it without a hand-over (H51). Open, docs/versions.md",
+)
 def test_a_change_repeated_every_step_stops_rebuilding_in_the_hf_trainer(tmp_path: Path) -> None:
     eager = run_hf(tmp_path, None)
     assert eager["hooks"] == list(range(3, LONG + 3)), eager["hooks"]

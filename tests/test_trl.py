@@ -78,17 +78,11 @@ COMPLETION = 8
 """GRPO's ``max_completion_length``: 8 calls of the model per ``generate()``."""
 TIMING = re.compile(r"time|per_second")
 """Logged keys that are timings, not results."""
-CHECKPOINT_ON_215 = pytest.mark.xfail(
-    versions.release() >= (2, 15),
-    raises=torch.utils.checkpoint.CheckpointError,
-    strict=True,
-    reason="torch 2.15: with gradient checkpointing on (TRL's default), the backward's "
-    "recomputation of a checkpointed block saves fewer tensors than its forward "
-    "(CheckpointError, pytorch#166926), in SFT, DPO and GRPO, under every preset, `off` "
-    "included, also in SFT without peft, toggle or a second padded length; plain "
-    "`model.model.compile()` runs the same SFT run. Open, docs/versions.md",
-)
-"""The open bug of guardtrain's on torch 2.15 that ``test_churn.py`` marks too."""
+EXACT = versions.release() < (2, 15)
+"""``aot_eager`` gives eager's results bitwise on torch 2.13. On 2.15 the embedding's weight
+after SFT differs from eager's by 4e-9 (GRPO's logged ``grad_norm`` by 1e-5 relative),
+under ``off`` too, with every guard kept: the compiled backward's numerics, not a stale
+entry. There the comparison is ``allclose``."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -192,13 +186,16 @@ def run(tmp_path: Path, name: str, make: Any, preset: str | None, warmup: int) -
 
 
 def assert_eager_equal(eager: dict[str, Any], got: dict[str, Any], steps: int) -> None:
+    """Every logged value and every weight: bitwise where :data:`EXACT`, else allclose."""
     assert len([h for h in eager["logs"] if "loss" in h]) == steps
     for i, (a, b) in enumerate(zip(eager["logs"], got["logs"], strict=True)):
-        assert a == b, f"log {i} differs from eager: {a} != {b}"
+        assert a == (b if EXACT else pytest.approx(b, rel=1e-4)), f"log {i} differs: {a} != {b}"
     assert list(eager["weights"]) == list(got["weights"])
-    differ = [
-        k for k in eager["weights"] if not torch.equal(eager["weights"][k], got["weights"][k])
-    ]
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a, b) if EXACT else torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    differ = [k for k in eager["weights"] if not same(eager["weights"][k], got["weights"][k])]
     assert not differ, f"weights differ from eager: {differ}"
 
 
@@ -218,7 +215,7 @@ def assert_steady(got: dict[str, Any]) -> None:
 
 # -- SFT ---------------------------------------------------------------------------------------
 
-SFT_STEPS = 10
+SFT_STEPS = 14
 
 
 def make_sft(out: Path, callbacks: list[Any]) -> Any:
@@ -238,7 +235,6 @@ def sft_eager(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run(tmp_path_factory.mktemp("sft"), "sft", make_sft, None, 0)
 
 
-@CHECKPOINT_ON_215
 @pytest.mark.parametrize("preset", PRESETS)
 def test_sft(tmp_path: Path, sft_eager: dict[str, Any], preset: str) -> None:
     """One call a step; dynamic padding (texts of 6 to 13 words)."""
@@ -278,7 +274,6 @@ def dpo_eager(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run(tmp_path_factory.mktemp("dpo"), "dpo", make_dpo, None, 0)
 
 
-@CHECKPOINT_ON_215
 @pytest.mark.parametrize("preset", PRESETS)
 def test_dpo_with_a_peft_adapter(tmp_path: Path, dpo_eager: dict[str, Any], preset: str) -> None:
     """Two calls a step (policy, then reference inside ``disable_adapter()``); TRL's
@@ -373,7 +368,6 @@ def test_grpo_generating_with_the_model(
     assert_steady(got)
 
 
-@CHECKPOINT_ON_215
 @pytest.mark.slow  # 1.5 to 5 minutes here: a rebuild and Dynamo's recompiles in every step
 def test_grpo_with_gradient_checkpointing(tmp_path: Path) -> None:
     """TRL's default, ``gradient_checkpointing=True``: TRL switches it off and back on

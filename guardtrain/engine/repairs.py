@@ -236,18 +236,25 @@ class Repairs:
         :meth:`~guardtrain.engine.engine.GuardEngine.backward_done`: a checkpointed block
         runs its forward again in the backward and must run the same graph (H52).
         """
-        state = self.run.state
-        if wait or state.repairs_due:
-            state.repairs_due = True
-            return
-        targets = self.run.targets
-        found = targets.break_log.new()
+        state, targets = self.run.state, self.run.targets
+        found = targets.break_log.new()  # read now: a rebuild before the wait ends forgets them
         for target in list(targets.installed):
             if target.handed_over is not None:
                 continue  # full guards, as plain compile: its breaks are Dynamo's (H51)
             mine = breaks_of(target, found)
-            if mine is None:
+            if mine is not None:
+                state.breaks_due.append((target, mine))
+        if wait or state.repairs_due:
+            state.repairs_due = True
+            return
+        due, state.breaks_due = state.breaks_due, []
+        done: set[int] = set()
+        for target, mine in due:
+            if id(target) in done or target.handed_over is not None:
                 continue
+            if not any(t is target for t in targets.installed):
+                continue  # split already
+            done.add(id(target))
             if self.run.config.targets is None and self._split(target, mine):
                 continue
             if target.code.install_free_tensors or target.code.drops_guards:

@@ -53,6 +53,9 @@ class RunState:
     batch is one model call): the repairs that change what a target runs wait for
     :meth:`~guardtrain.engine.engine.GuardEngine.backward_done`, since a checkpointed
     block runs its forward again in the backward and must run the same graph (H52)."""
+    breaks_due: list[tuple[Any, list[Any]]] = field(default_factory=list)
+    """``(target, its graph breaks)`` found after a compile, acted on when the repairs
+    run (at once, or after the backward when they wait, H52)."""
     handed_compiles: int = 0
     """Compiles of targets handed over to full guards (H51): Dynamo's own recompiles,
     which no phase hears of."""
