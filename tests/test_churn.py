@@ -315,23 +315,19 @@ def run_hf(tmp_path: Path, preset: str | None) -> dict[str, Any]:
     return got
 
 
-@pytest.mark.xfail(
-    versions.release() >= (2, 15),
-    raises=AssertionError,
-    strict=True,
-    reason="torch 2.15: compiles still grow after the 16th step (90, then 106 after 24): "
-    "the base model is not split there and the hook added to embed_tokens every step "
-    "re-arms it without a hand-over (H51). Open, docs/versions.md",
-)
 def test_a_change_repeated_every_step_stops_rebuilding_in_the_hf_trainer(tmp_path: Path) -> None:
     eager = run_hf(tmp_path, None)
     assert eager["hooks"] == list(range(3, LONG + 3)), eager["hooks"]
     got = run_hf(tmp_path, "aggressive")
     s = got["summary"]
     print(describe(got), "\ncaught:", s["caught_changes"])
-    assert got["losses"] == eager["losses"]
+    # Bitwise on torch 2.13; on 2.15 the compiled backward's numerics differ from eager's
+    # (also without guardtrain's levers: tests/test_trl.py, EXACT): allclose there.
+    exact = versions.release() < (2, 15)
+    assert got["losses"] == (eager["losses"] if exact else pytest.approx(eager["losses"], rel=1e-3))
+    same = torch.equal if exact else functools.partial(torch.allclose, rtol=1e-4, atol=2e-5)
     for i, (a, b) in enumerate(zip(eager["weights"], got["weights"])):
-        assert all(torch.equal(u, v) for u, v in zip(a, b)), f"adapters differ after step {i}"
+        assert all(same(u, v) for u, v in zip(a, b)), f"adapters differ after step {i}"
     assert got["hooks"] == eager["hooks"]
     assert got["compiles_long"] == got["compiles_short"], describe(got)
     assert CAPPED_KEY in s, f"summary() has no {CAPPED_KEY!r} key: {sorted(s)}"

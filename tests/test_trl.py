@@ -79,10 +79,11 @@ COMPLETION = 8
 TIMING = re.compile(r"time|per_second")
 """Logged keys that are timings, not results."""
 EXACT = versions.release() < (2, 15)
-"""``aot_eager`` gives eager's results bitwise on torch 2.13. On 2.15 the embedding's weight
-after SFT differs from eager's by 4e-9 (GRPO's logged ``grad_norm`` by 1e-5 relative),
-under ``off`` too, with every guard kept: the compiled backward's numerics, not a stale
-entry. There the comparison is ``allclose``."""
+"""``aot_eager`` gives eager's results bitwise on torch 2.13. On 2.15 the compiled backward's
+numerics differ from eager's (the embedding's gradient by 4e-9 in the first step); after
+14 SFT steps the weights differ by up to 4e-6 (6e-5 of the largest weight) and the logs
+by 8e-5 relative, identical under ``off`` (every guard kept) and ``aggressive``: not a
+stale entry. There the comparison is ``allclose``."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -189,11 +190,11 @@ def assert_eager_equal(eager: dict[str, Any], got: dict[str, Any], steps: int) -
     """Every logged value and every weight: bitwise where :data:`EXACT`, else allclose."""
     assert len([h for h in eager["logs"] if "loss" in h]) == steps
     for i, (a, b) in enumerate(zip(eager["logs"], got["logs"], strict=True)):
-        assert a == (b if EXACT else pytest.approx(b, rel=1e-4)), f"log {i} differs: {a} != {b}"
+        assert a == (b if EXACT else pytest.approx(b, rel=1e-3)), f"log {i} differs: {a} != {b}"
     assert list(eager["weights"]) == list(got["weights"])
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return torch.equal(a, b) if EXACT else torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+        return torch.equal(a, b) if EXACT else torch.allclose(a, b, rtol=1e-4, atol=2e-5)
 
     differ = [k for k in eager["weights"] if not same(eager["weights"][k], got["weights"][k])]
     assert not differ, f"weights differ from eager: {differ}"

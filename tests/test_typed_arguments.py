@@ -197,7 +197,7 @@ def test_mypy_reads_the_adapters_signatures(tmp_path: Path) -> None:
     assert errors[1][:2] == ("wrong_tuner.py", 5), report
     assert re.match(
         r'Argument "preset" to "GuardTuner" has incompatible type "(Literal\[3\]|int)"; '
-        r"expected \"Literal\['off', 'safe', 'balanced', 'aggressive', 'turbo'\]\"",
+        r"expected \"Literal\['auto', 'off', 'safe', 'balanced', 'aggressive', 'turbo'\]\"",
         errors[1][2],
     ), report
     assert not [m for m in lines if m["file"].startswith("right_")], report
