@@ -393,6 +393,8 @@ def test_grpo_with_gradient_checkpointing(tmp_path: Path) -> None:
         s["full_guard_targets"],
     )
     (handed,) = s["full_guard_targets"]
-    assert handed["target"] == "model", handed
+    # The target that holds the hooks: the base model (torch 2.13), or its embeddings where
+    # the base model was split at a graph break first (torch 2.15).
+    assert handed["target"] in ("model", "model.embed_tokens"), handed
     assert "rebuilt 8 times in this run" in handed["why"], handed
     assert "forward hook" in handed["change"], handed
