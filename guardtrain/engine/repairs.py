@@ -252,15 +252,18 @@ class Repairs:
         for target, mine in due:
             if id(target) in done or target.handed_over is not None:
                 continue
-            if not any(t is target for t in targets.installed):
-                continue  # split already
-            done.add(id(target))
-            if self.run.config.targets is None and self._split(target, mine):
-                continue
-            if target.code.install_free_tensors or target.code.drops_guards:
-                self._keep_every_guard(target, mine)
-            elif target.reference is None:
-                target.take_reference()
+            if any(t is target for t in targets.installed):  # else split already
+                done.add(id(target))
+                self._answer_breaks(target, mine)
+
+    def _answer_breaks(self, target: CompiledTarget, mine: list[_breaks.GraphBreak]) -> None:
+        """A target with graph breaks: split (default targets), or every guard kept."""
+        if self.run.config.targets is None and self._split(target, mine):
+            return
+        if target.code.install_free_tensors or target.code.drops_guards:
+            self._keep_every_guard(target, mine)
+        elif target.reference is None:
+            target.take_reference()
 
     def _keep_every_guard(self, target: CompiledTarget, found: list[_breaks.GraphBreak]) -> None:
         """A target with graph breaks that it cannot be split for: full guards, rebuilt."""
