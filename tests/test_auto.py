@@ -9,6 +9,7 @@ for timing.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -46,32 +47,21 @@ class Breaking(Mlp):
         return self.b(y)
 
 
-def _train(model: nn.Module, tuner: GuardTuner, steps: int = 10) -> list[torch.Tensor]:
-    """SGD steps on fixed data, under ``tuner``; the losses."""
+def _train(
+    model: nn.Module, tuner: GuardTuner | None = None, steps: int = 10
+) -> list[torch.Tensor]:
+    """SGD steps on fixed data, under ``tuner`` (None: eager); the losses."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.ones(16, 1)
     losses = []
-    with tuner:
+    with tuner or contextlib.nullcontext():
         for _ in range(steps):
-            with tuner.step((x,)):
+            with tuner.step((x,)) if tuner is not None else contextlib.nullcontext():
                 loss = (model(x) - y).square().mean()
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
             losses.append(loss.detach())
-    return losses
-
-
-def _eager_losses(model: nn.Module, steps: int = 10) -> list[torch.Tensor]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.ones(16, 1)
-    losses = []
-    for _ in range(steps):
-        loss = (model(x) - y).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
     return losses
 
 
@@ -89,7 +79,7 @@ def test_a_plain_model_runs_turbo(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="guardtrain"):
         tuner = GuardTuner(model, warmup_steps=2, stable_steps=1, compile_kwargs=AOT)
         got = _train(model, tuner)
-    assert got == _eager_losses(eager)
+    assert got == _train(eager)
     s = tuner.summary()
     assert s["preset"] == "auto"
     assert s["auto"] == {
@@ -130,7 +120,7 @@ def test_a_model_with_a_graph_break_runs_aggressive_there() -> None:
             model, targets=[""], warmup_steps=2, stable_steps=1, compile_kwargs=EAGER
         )
         got = _train(model, tuner, steps=6)
-    assert got == _eager_losses(eager, steps=6)
+    assert got == _train(eager, steps=6)
     auto = tuner.summary()["auto"]
     assert auto["chose"] == "aggressive", auto
     assert list(auto["targets"]) == ["<model>"] and "graph breaks" in auto["targets"]["<model>"]
@@ -153,7 +143,7 @@ def test_a_default_target_that_breaks_is_split_and_runs_turbo() -> None:
     with pytest.warns(UserWarning, match="compiling its parts"):
         tuner = GuardTuner(model, warmup_steps=2, stable_steps=1, compile_kwargs=EAGER)
         got = _train(model, tuner)
-    assert got == _eager_losses(eager)
+    assert got == _train(eager)
     s = tuner.summary()
     assert s["targets"] == ["first", "second"]
     assert s["auto"]["chose"] == "turbo" and s["direct_dispatch"]["calls"] > 0, s["auto"]

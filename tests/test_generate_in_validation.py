@@ -28,7 +28,9 @@ from helpers import guard_without_lookup, make_trainer
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+
+from guardtrain.bench.hf_data import tiny_llama_config
 
 PRESETS = ["aggressive", "turbo"]
 AOT = {"backend": "aot_eager"}
@@ -55,18 +57,7 @@ class GenerateInValidation(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            pad_token_id=0,
-            bos_token_id=2,
-            eos_token_id=3,
-        )
+        config = tiny_llama_config(num_hidden_layers=1)
         self.model = LlamaForCausalLM(config)
         self.losses: list[float] = []
         self.val_losses: list[float] = []

@@ -55,9 +55,10 @@ datasets = pytest.importorskip("datasets")
 pytest.importorskip("tokenizers")
 
 from hf_helpers import guard, steady_share  # noqa: E402
-from transformers import Cache, LlamaConfig, LlamaForCausalLM, TrainerCallback  # noqa: E402
+from transformers import Cache, LlamaForCausalLM, TrainerCallback  # noqa: E402
 
 from guardtrain import versions  # noqa: E402
+from guardtrain.bench.hf_data import tiny_llama_config  # noqa: E402
 from guardtrain.bench.workloads.trl_dpo import WORDS, preference_data, word_tokenizer  # noqa: E402
 
 pytestmark = [
@@ -99,18 +100,7 @@ def one_thread() -> Any:
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=3,
-    )
+    config = tiny_llama_config(num_hidden_layers=1)
     return LlamaForCausalLM(config)
 
 

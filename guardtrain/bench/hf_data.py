@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Tokens", "pad", "tiny_bert_config", "tiny_gpt2_config"]
+__all__ = ["Tokens", "pad", "tiny_bert_config", "tiny_gpt2_config", "tiny_llama_config"]
 
 
 def tiny_gpt2_config(**extra: Any) -> Any:
@@ -28,6 +28,27 @@ def tiny_gpt2_config(**extra: Any) -> Any:
     }
     values.update(extra)
     return GPT2Config(**values)
+
+
+def tiny_llama_config(**extra: Any) -> Any:
+    """A ``LlamaConfig`` of 2 layers, width 32 (MLP 64), 2 heads, 64 tokens and positions,
+    with the word tokenizer's pad, bos and eos ids (0, 2, 3); ``extra`` overrides."""
+    from transformers import LlamaConfig
+
+    values: dict[str, Any] = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 3,
+    }
+    values.update(extra)
+    return LlamaConfig(**values)
 
 
 def tiny_bert_config(**extra: Any) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from guardtrain.bench.hf_data import tiny_llama_config
 from guardtrain.bench.workloads.core import HFRunner, Runner, Setting, Turn, Workload
 from guardtrain.bench.workloads.dpo import scratch_dir
 
@@ -66,24 +67,12 @@ def runner(setting: Setting, gradient_checkpointing: bool | None = None) -> Runn
     default (on), except with ``setting.tiny`` (off)."""
     import datasets
     import peft
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from trl import DPOConfig, DPOTrainer
 
     datasets.disable_progress_bars()
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=3,
-    )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(tiny_llama_config())
     lora = peft.LoraConfig(
         r=4,
         lora_alpha=8,
