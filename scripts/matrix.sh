@@ -8,8 +8,9 @@
 #   scripts/matrix.sh --table      print the table from the last results
 #
 # One venv per version under .venvs/torch-X.Y (git-ignored), reused when its torch
-# is the one asked for. Each gets the newest Lightning that pip resolves for that torch
-# and guardtrain[dev], editable. A pip constraint pins torch in these venvs; it
+# is the one asked for and its constraints are unchanged. Each gets guardtrain[dev],
+# editable, with everything but torch at the releases in scripts/constraints.txt (as
+# scripts/setup.sh). A pip constraint file per venv pins torch and those releases; it
 # replaces any constraint file the machine sets (PIP_CONSTRAINT). The registry's default
 # torch builds are CUDA wheels (about 5 GB a venv) that also run on the CPU; torch 2.13
 # comes from a local CPU wheel when pip's find-links has one, as in scripts/setup.sh.
@@ -19,11 +20,14 @@
 # A version passes with zero failures and errors; every skip names its reason in the log
 # (pytest -ra). Exit status: 1 if any version tested in this run failed.
 #   PYTHON   interpreter for new venvs (python3)
+#   GUARDTRAIN_CONSTRAINTS  the constraints file (scripts/constraints.txt); empty: none
 #   MATRIX_PYTEST_ARGS  extra pytest arguments (e.g. "-x")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_VERSIONS=(2.11 2.12 2.13 2.14 2.15)
+# Everything but torch at the releases the tests last passed with (as scripts/setup.sh).
+constraints="${GUARDTRAIN_CONSTRAINTS-scripts/constraints.txt}"
 # The release tested for each minor version.
 declare -A RELEASE=([2.11]=2.11.0 [2.12]=2.12.1 [2.13]=2.13.0 [2.14]=2.14.1 [2.15]=2.15.0)
 # Inductor tests (marked slow) that run on every version: compile with inductor, the
@@ -41,18 +45,20 @@ quiet() { grep -v -e '^WARNING: Location' -e '^$' || true; }
 venv_of() { echo ".venvs/torch-$1"; }
 
 install() {
-    local minor=$1 release=${RELEASE[$1]} venv py constraint
+    local minor=$1 release=${RELEASE[$1]} venv py constraint pins
     venv=$(venv_of "$minor")
     py="$venv/bin/python"
-    if [ -x "$py" ] && "$py" -c "import torch, lightning, pytest, guardtrain, sys; \
+    constraint="$venv/constraints.txt"
+    pins=$(echo "torch==$release"; cat ${constraints:+"$constraints"} </dev/null)
+    if [ -x "$py" ] && [ "$(cat "$constraint" 2>/dev/null)" = "$pins" ] && \
+        "$py" -c "import torch, lightning, pytest, guardtrain, sys; \
 sys.exit(torch.__version__.split('+')[0] != '$release')" 2>/dev/null; then
         echo "matrix: $venv: keeping torch $release"
         return 0
     fi
     echo "matrix: $venv: installing torch $release"
     "${PYTHON:-python3}" -m venv "$venv"
-    constraint="$venv/constraints.txt"
-    echo "torch==$release" >"$constraint"
+    echo "$pins" >"$constraint"
     # The local CPU wheel first (no download), as scripts/setup.sh does.
     if [ "$minor" = 2.13 ]; then
         PIP_CONSTRAINT="$constraint" "$py" -m pip install -q --no-index --no-deps "torch==$release" \

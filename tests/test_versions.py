@@ -103,3 +103,30 @@ def test_tested_torch_gives_no_version_warning(monkeypatch: pytest.MonkeyPatch) 
         with guard_tuner(model) as tuner:
             _steps(model, tuner)
     assert not [w for w in record if "newer than" in str(w.message)]
+
+
+def _pins() -> dict[str, str]:
+    """``scripts/constraints.txt`` as {distribution: release}."""
+    pins = {}
+    for raw in (ROOT / "scripts" / "constraints.txt").read_text().splitlines():
+        line = raw.split("#")[0].strip()
+        if line:
+            name, sep, release = line.partition("==")
+            assert sep and re.fullmatch(r"[\w.]+", release), f"not name==release: {raw!r}"
+            pins[name.lower()] = release
+    return pins
+
+
+def test_constraints_pin_releases_and_leave_torch_to_the_scripts() -> None:
+    pins = _pins()
+    assert "torch" not in pins
+    for name in ("lightning", "hydra-core", "transformers", "accelerate", "peft", "trl"):
+        assert name in pins, name
+
+
+def test_docs_name_the_pinned_hf_releases() -> None:
+    """docs/hf.md's TRL section says what CI installs (scripts/constraints.txt)."""
+    pins = _pins()
+    hf = (ROOT / "docs" / "hf.md").read_text()
+    for name in ("trl", "transformers", "peft", "accelerate", "datasets"):
+        assert f"{name} {pins[name]}" in hf, f"docs/hf.md does not name {name} {pins[name]}"
