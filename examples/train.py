@@ -168,6 +168,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
         for key in sorted(metrics):
             # repr() round-trips: two runs can be compared bit for bit.
             log.info("final %s=%r", key, metrics[key])
+    if torch.distributed.is_initialized():
+        # Lightning destroys only an NCCL process group at exit. A gloo group left alive can
+        # abort the process as it exits: a worker thread frees a finished collective's tensors
+        # while the interpreter finalizes ("terminate called without an active exception").
+        torch.distributed.destroy_process_group()
     return metrics
 
 

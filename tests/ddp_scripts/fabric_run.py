@@ -19,6 +19,7 @@ from torch import nn
 from guardtrain import GuardTuner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _leave import leave
 from helpers import turbo_everywhere
 
 turbo_everywhere()  # `pytest --turbo-everywhere`: `aggressive` runs with turbo's levers
@@ -83,9 +84,8 @@ def main(out: str) -> None:
         "rearms": s["rearms"],
     }
     Path(f"{out}.{fabric.global_rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave()

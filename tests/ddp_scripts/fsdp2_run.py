@@ -36,6 +36,7 @@ from guardtrain import GuardTuner
 from guardtrain.compile import steady_now
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _leave import leave
 from helpers import turbo_everywhere
 
 turbo_everywhere()
@@ -215,9 +216,8 @@ def main() -> None:
     tmp = out / f"rank{rank}.tmp"
     tmp.write_text(json.dumps(result, indent=1, default=str))
     os.replace(tmp, out / f"rank{rank}.json")
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    leave()

@@ -15,6 +15,7 @@ import tempfile
 import warnings
 
 import hf_common as common
+from _leave import leave
 
 ZERO2 = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -56,3 +57,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

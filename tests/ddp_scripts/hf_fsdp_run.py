@@ -28,6 +28,7 @@ from typing import Any
 
 import hf_common as common
 import torch
+from _leave import leave
 
 
 def stance_on() -> bool:
@@ -108,8 +109,8 @@ def main() -> None:
 
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    leave()

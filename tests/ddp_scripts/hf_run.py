@@ -11,6 +11,7 @@ import hashlib
 import tempfile
 
 import hf_common as common
+from _leave import leave
 
 
 def main() -> None:
@@ -36,3 +37,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

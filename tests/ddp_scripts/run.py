@@ -39,6 +39,7 @@ from _common import (
     stance_on,
     write_json,
 )
+from _leave import leave
 from helpers import turbo_everywhere
 
 turbo_everywhere()  # `pytest --turbo-everywhere`: `aggressive` runs with turbo's levers
@@ -152,12 +153,8 @@ def main() -> None:
         info["phase"] = guard.phase
         info["summary"] = guard.summary()
     write_json(out / f"rank{rank}.json", info)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        # Leave no gloo thread running at exit (an abort there ends the process with -6).
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    leave()
