@@ -6,11 +6,11 @@ frees a finished collective's tensors (``ProcessGroupGloo::runLoop`` →
 ``~AsyncWork`` → ``TensorImpl::decref_pyobject``), which takes the GIL; if the main
 thread has begun finalizing, ``take_gil`` ends the worker thread with ``pthread_exit``
 inside a destructor, and libstdc++ calls ``std::terminate``. Seen on torch 2.13's CPU
-build with and without guardtrain, in 1 of 15 to 1 of 4 two-process runs on a 2-core
-machine (the Hydra example's DDP run, ``tests/test_hydra.py``). ``destroy_process_group`` does not join gloo's threads while something still
-holds the group (a DDP reducer, an FSDP2 mesh), so the scripts also skip finalization:
-their results are written before, and an exception still ends them with its traceback
-and a non-zero status.
+build with and without guardtrain, in 1 of 15 to 1 of 8 two-process runs on a 2-core
+machine (the Hydra example's DDP run, ``tests/test_hydra.py``). ``destroy_process_group``
+does not join gloo's threads while something still holds the group (a DDP reducer, an
+FSDP2 mesh), so the scripts also skip finalization: their results are written before,
+and an exception still ends them with its traceback and a non-zero status.
 """
 
 from __future__ import annotations
