@@ -140,7 +140,8 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         self._pass: str | None = None
         """The loop whose pass is open (None between passes)."""
         self._current = _TRAIN
-        self._inside = False
+        self._inside: nn.Module | None = None
+        """The model whose call is the open batch (the root, or a peft model's base)."""
         self._in_train = False
         self._plugins = hfa.Plugins(_OWNER, self._explicit_compile)
         self._run_off: str | None = None
@@ -242,8 +243,8 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
     # -- the hooks (per call) ----------------------------------------------------------------
 
     def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._inside or module is not self._root:
-            return None
+        if self._inside is not None:
+            return None  # a call inside the batch: a peft model's call of its base model
         engine = self._engine
         if not engine.active and (is_compiling() or not self._start_evaluation()):
             return None  # no run; or Dynamo traces this hook (a compile made by accelerate)
@@ -252,14 +253,14 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         if loop != self._pass:
             self._open(loop)
         self._current = loop
-        self._inside = True
+        self._inside = module
         engine.batch_start(loop, (args, kwargs) if args else kwargs, training)
         return None
 
     def _after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self._inside or module is not self._root:
+        if module is not self._inside:
             return None
-        self._inside = False
+        self._inside = None
         if sys.exc_info()[0] is None:
             # In training the step's backward comes after this call (H52).
             backward = self._current == _TRAIN and torch.is_grad_enabled()
@@ -275,15 +276,19 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         self._end_run()
         self._detach()
         self._root = model
-        self._handles = [
-            model.register_forward_pre_hook(hfa.Hook(self._before), with_kwargs=True),
-            model.register_forward_hook(hfa.Hook(self._after), always_call=True),
-        ]
+        # A peft model's generate() calls its base model, never the peft model's forward:
+        # the base model's calls are batches too (H53), but not inside the peft model's.
+        for called in (model, *hfa.base_of(model)):
+            self._handles += [
+                called.register_forward_pre_hook(hfa.Hook(self._before), with_kwargs=True),
+                called.register_forward_hook(hfa.Hook(self._after), always_call=True),
+            ]
 
     def _released(self) -> None:
         """Another callback's run released this one, which ended without its events (H45):
         the hooks come off the model and the run is forgotten."""
-        self._inside = self._in_train = False
+        self._inside = None
+        self._in_train = False
         self._pass = self._run_off = None
         self._detach()
 
@@ -354,7 +359,7 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
 
     def _end_run(self, logged: bool = True) -> None:
         engine = self._engine
-        self._inside = False
+        self._inside = None
         self._pass = None
         if not engine.active:
             return

@@ -29,6 +29,7 @@ __all__ = [
     "Plugins",
     "TakenCompile",
     "accelerate_state",
+    "base_of",
     "calling_trainer",
     "compiling_plugin",
     "deepspeed_reason",
@@ -109,6 +110,14 @@ class AccelerateAgreement(ReduceAgreement):
         from accelerate.utils import gather_object
 
         return list(gather_object([value]))
+
+
+def base_of(model: nn.Module) -> tuple[nn.Module, ...]:
+    """A peft model's base model (``get_base_model()``), which its ``generate()`` calls
+    without its own ``forward``; ``()`` for any other model."""
+    get = getattr(model, "get_base_model", None)
+    base = get() if callable(get) else None
+    return (base,) if isinstance(base, nn.Module) and base is not model else ()
 
 
 def default_targets(root: nn.Module) -> list[str] | None:

@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from guardtrain.compile.caches import class_dicts
+
 __all__ = ["SameSignature", "batch_signature", "describe_signature"]
 
 
@@ -207,6 +209,10 @@ def _kind(cls: type) -> Any:
     return kind
 
 
+_LEAVES = frozenset((bool, int, float, str, type(None), torch.dtype, torch.device))
+"""Values a signature counts by their type (they hold no tensor)."""
+
+
 def _collect(tensor: torch.Tensor, into: list[Any]) -> None:
     into.append((tensor.shape, tensor.dtype, tensor.device))
 
@@ -250,6 +256,11 @@ def _container_signature(batch: Any) -> Any:
     rebuild, counts by its type.
     """
     cls = type(batch)
+    if cls in _LEAVES or class_dicts(cls) is not None:
+        # What apply_to_collection finds no tensor in, said without the walk: a plain
+        # value, or a transformers cache (its tensors grow every decode call; the call's
+        # own checks read them, H53).
+        return cls
     kind = _kind(cls)
     if kind is _USER_DICT or kind is _MAPPING:
         items = batch.data.items() if kind is _USER_DICT else batch.items()

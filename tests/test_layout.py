@@ -1,9 +1,8 @@
 """The layout limits of the package, checked mechanically.
 
-* no file in ``guardtrain/`` above :data:`MAX_FILE_LINES` lines;
-* no class above :data:`MAX_CLASS_LINES` lines (``end_lineno - lineno + 1``, docstrings
-  count), except one whose ``class`` line is directly preceded by a comment that names
-  its size and why that is its seam, e.g. ``# Lines 340: the adapters' whole contract.``;
+* files above :data:`MAX_FILE_LINES` lines and classes above :data:`MAX_CLASS_LINES` lines
+  (``end_lineno - lineno + 1``, docstrings count) are listed in a warning for review, not
+  refused: a file is split by concern, never to stay under a count;
 * no function or closure above cyclomatic complexity :data:`MAX_COMPLEXITY`, as
   ``radon cc --show-closures`` measures it, except one whose ``def`` line (or first
   decorator) is directly preceded by a comment that names its complexity, e.g.
@@ -23,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,6 @@ MAX_FILE_LINES = 500
 MAX_CLASS_LINES = 300
 MAX_COMPLEXITY = 15
 MAX_README_LINES = 160
-#: The comment that exempts a class: ``# Lines N`` (N its size in lines).
-CLASS_EXEMPTION = re.compile(r"^\s*#\s*Lines\s+(\d+)\b", re.IGNORECASE)
 #: The comment that exempts a function: ``# Complexity N`` (N its measured complexity).
 EXEMPTION = re.compile(r"^\s*#\s*Complexity\s+(\d+)\b", re.IGNORECASE)
 
@@ -52,24 +50,31 @@ def _lines(path: Path) -> int:
     return len(path.read_text(encoding="utf-8").splitlines())
 
 
-def test_no_file_above_the_line_limit() -> None:
-    offenders = [f"{_rel(p)}: {n} lines" for p in _files() if (n := _lines(p)) > MAX_FILE_LINES]
-    assert not offenders, f"files above {MAX_FILE_LINES} lines:\n" + "\n".join(offenders)
+class SizeReview(UserWarning):
+    """A file or class above the review size: read it for concerns to split (not a cap)."""
 
 
-def test_no_class_above_the_line_limit() -> None:
-    offenders = []
+def _oversized() -> list[str]:
+    """Files above :data:`MAX_FILE_LINES` lines and classes above :data:`MAX_CLASS_LINES`."""
+    found = []
     for path in _files():
         text = path.read_text(encoding="utf-8")
-        lines = text.splitlines()
+        if (n := len(text.splitlines())) > MAX_FILE_LINES:
+            found.append(f"{_rel(path)}: {n} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef):
                 size = (node.end_lineno or node.lineno) - node.lineno + 1
-                above = lines[node.lineno - 2] if node.lineno > 1 else ""
-                exempt = CLASS_EXEMPTION.match(above)
-                if size > MAX_CLASS_LINES and not (exempt and int(exempt.group(1)) == size):
-                    offenders.append(f"{_rel(path)}:{node.lineno} class {node.name}: {size} lines")
-    assert not offenders, f"classes above {MAX_CLASS_LINES} lines:\n" + "\n".join(offenders)
+                if size > MAX_CLASS_LINES:
+                    found.append(f"{_rel(path)}:{node.lineno} class {node.name}: {size} lines")
+    return found
+
+
+def test_files_and_classes_above_the_review_size_are_listed() -> None:
+    """A size is a prompt for review, never a cap that moves code: a file is split by
+    concern. Each file or class above the review size is listed in one warning."""
+    found = _oversized()
+    if found:
+        warnings.warn(SizeReview("above the review size:\n" + "\n".join(found)), stacklevel=1)
 
 
 def _functions(text: str) -> list[Any]:

@@ -94,9 +94,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         action="append",
         metavar="NAME",
         help="run the speed suite of real workloads instead (repeatable or comma-separated; "
-        "'all'); --configs from eager, compile, off, safe, balanced, aggressive, turbo "
-        "(default: compile, balanced, aggressive, turbo), --repeats rounds (default 4), "
-        "--steps timed steps per turn (default: the workload's); see docs/bench.md",
+        "'all'); --configs from eager, compile, off, safe, balanced, aggressive, turbo, "
+        "auto (default: compile, balanced, aggressive, turbo, auto), --repeats rounds "
+        "(default 4), --steps timed steps per turn (default: the workload's); each step "
+        "timed by the thread's CPU time (deciding at one thread) and the wall clock; see "
+        "docs/bench.md",
     )
     p.add_argument(
         "--no-fallback",

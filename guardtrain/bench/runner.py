@@ -217,9 +217,14 @@ class Runner:
                 self.steady_compiles += done
 
     def blocker(self) -> str | None:
-        """Why the stance must stay off (the engine's rule), or None."""
+        """Why the stance must stay off (the engine's rule), or None; and a target at
+        Dynamo's recompile limit: this runner sets the stance for whole windows, where a
+        call that no entry accepts would raise."""
         limit = getattr(torch._dynamo.config, "recompile_limit", 8)
-        return decisions.blocker(self.targets, limit)
+        full = [t.name or "<model>" for t in self.targets if t.cache_entries() >= limit]
+        if full:
+            return f"target {full[0]!r} reached recompile_limit={limit}"
+        return decisions.blocker(self.targets)
 
     # -- work ----------------------------------------------------------------------------------
 

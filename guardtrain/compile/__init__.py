@@ -8,6 +8,7 @@ Rooms (each file's first docstring line says what it is for):
   (:mod:`guardtrain.engine.breaks` uses them);
 * ``call_mode``: the per-call mode and argument keys (``call_key``), the
   dispatch-mode and outside-state checks;
+* ``caches``: the transformers caches an argument key describes by their attributes (H53);
 * ``repeat``: a repeated argument key recognised without making it again;
 * ``stances``: the two stance values a steady call writes around its compiled call (H41);
 * ``watch``: change tracking between calls (events for modules, parameters and hooks;
@@ -22,6 +23,8 @@ Rooms (each file's first docstring line says what it is for):
 * ``states``: known states: a flip back to one is a swap, not a re-check (H46);
 * ``state``: what the per-call path reads and writes on a target (``TargetState``);
 * ``direct``: turbo's harvested entries (``DirectEntry``);
+* ``symbolic``: what a harvested entry's guard tree says (symbolic input sizes, the guards
+  beyond the arguments, H53);
 * ``harvest``: harvesting and looking up direct entries;
 * ``accept``: whether the entry the stance would run accepts a call (H26, H32);
 * ``forward``: the installed ``forward``, a steady path and a warm path;

@@ -28,6 +28,7 @@ __all__ = [
     "first_accepting",
     "remember_full_guards",
     "stance_choice",
+    "stance_pick",
 ]
 
 ACCEPT_LIMIT = 64
@@ -45,6 +46,22 @@ MISSED = "missed"
 """A verdict of :func:`admit`: no entry accepts the call; it leaves the stance."""
 
 
+def stance_pick(code: Any, scope: dict[str, Any]) -> Any:
+    """The cache entry of ``code`` that the stance would run for a frame with locals
+    ``scope``: the first, in cache order, whose *diff* guards pass (or that has none);
+    None when there is none."""
+    if cache_entry_list is None:
+        return None
+    for entry in cache_entry_list(code):
+        manager = getattr(entry, "guard_manager", None)
+        if manager is None:
+            continue
+        diff = getattr(manager, "diff_guard_root", None)
+        if diff is None or _guard_check(diff, scope):
+            return entry
+    return None
+
+
 def stance_choice(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The guard manager of the entry the stance would run for this call, if its full
     guards accept the call; else None.
@@ -53,17 +70,12 @@ def stance_choice(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, 
     that entry's full guards pass too, it is the entry Dynamo would pick with full
     guards (every earlier entry fails a diff guard, which is one of its guards).
     """
-    if cache_entry_list is None:
-        return None
     scope = target.call_scope(args, kwargs)
-    for entry in cache_entry_list(target.code.trampoline):
-        manager = getattr(entry, "guard_manager", None)
-        if manager is None:
-            continue
-        diff = getattr(manager, "diff_guard_root", None)
-        if diff is None or _guard_check(diff, scope):
-            return manager if _guard_check(manager, scope) else None
-    return None
+    entry = stance_pick(target.code.trampoline, scope)
+    if entry is None:
+        return None
+    manager = entry.guard_manager
+    return manager if _guard_check(manager, scope) else None
 
 
 def accepts(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

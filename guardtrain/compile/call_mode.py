@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils import _python_dispatch
 
+from guardtrain.compile.caches import class_dicts, versions
+
 __all__ = [
     "ONE_TENSOR",
     "PLAIN_TYPES",
@@ -98,7 +100,49 @@ def _walk(value: Any, key: list[Any], tensors: list[torch.Tensor]) -> bool:
     if kind is dict:
         key.append((kind, tuple(value)))
         return all(_walk(v, key, tensors) for v in value.values())
-    return False
+    dicts = class_dicts(kind)
+    return dicts is not None and _walk_cache(value, kind, dicts, key, tensors)
+
+
+def _walk_cache(
+    value: Any, kind: type, dicts: tuple[Any, ...], key: list[Any], tensors: list[torch.Tensor]
+) -> bool:
+    """Describe a transformers cache or model output (:mod:`~guardtrain.compile.caches`,
+    H53): its class, its attribute names and its classes' dictionary versions, then each
+    attribute as :func:`_walk` describes it (a class it holds, such as the layer class to
+    replicate, by identity with its own versions), then a model output's items."""
+    try:
+        attributes = value.__dict__
+    except AttributeError:
+        return False
+    key.append((kind, tuple(attributes), versions(dicts)))
+    for v in attributes.values():
+        kind = type(v)
+        if kind is _Tensor:
+            key.append(_Tensor)
+            tensors.append(v)
+        elif kind in _PLAIN_KINDS:
+            key.append((kind, v))
+        elif kind is list:  # a cache's layers: walked here, without a call per layer
+            key.append((list, len(v)))
+            for item in v:
+                held = class_dicts(type(item))
+                if held is not None:
+                    if not _walk_cache(item, type(item), held, key, tensors):
+                        return False
+                elif not _walk(item, key, tensors):
+                    return False
+        elif isinstance(v, type):
+            held = class_dicts(v)
+            if held is None:
+                return False
+            key.append((type, v, versions(held)))
+        elif not _walk(v, key, tensors):
+            return False
+    if isinstance(value, dict):  # a model output: its items as well as its attributes
+        key.append((dict, tuple(value)))
+        return all(_walk(v, key, tensors) for v in value.values())
+    return True
 
 
 # Kept whole: it runs on every call under the stance, and the common cases (one tensor;
@@ -163,6 +207,10 @@ def _walk_sources(value: Any, source: str, into: list[str | None]) -> None:
         into.append(None)
         for k, v in value.items():
             _walk_sources(v, f"{source}[{k!r}]", into)
+    else:  # a cache: none of its values is one Dynamo's stance checks by its own source
+        described: list[Any] = []
+        _walk(value, described, [])
+        into.extend([None] * len(described))
 
 
 def key_sources(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str | None]:

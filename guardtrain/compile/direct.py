@@ -13,7 +13,10 @@ import types
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
+from guardtrain.compile.caches import in_key
+from guardtrain.compile.symbolic import beyond_arguments, has_shape_guards, symbolic_dims
 from guardtrain.compile.trampoline import TRAMPOLINE_GLOBALS, cache_entry_list
 from guardtrain.guardcheck import check as _guard_check
 
@@ -51,13 +54,33 @@ class DirectEntry:
     structure and plain values, and its tensors pass ``TensorGuards`` built from the
     harvested call (dtype, device, ``requires_grad``, dispatch keys, sizes, strides).
     The key also holds which arguments are one tensor (Dynamo guards aliasing
-    between inputs). When several entries were compiled for the call's mode, a call
-    must also pass the entry's *diff guards*, the guards that tell its entries apart (a module
-    attribute, a submodule's ``training`` flag, a global value): what the stance
-    itself evaluates.
+    between inputs).
+
+    Two kinds of entry need more of the entry's own guards (:attr:`rest`: its diff guards
+    without the arguments' subtrees, one call into C):
+
+    * When several entries were compiled for the call's mode, the guards that tell its
+      entries apart outside the arguments (a module attribute, a submodule's ``training``
+      flag, a global value): what the stance itself evaluates.
+    * An entry compiled with symbolic sizes (a decode call's cache length, H53): its
+      ``TensorGuards`` leave those dimensions free (:func:`~guardtrain.compile.symbolic.
+      symbolic_dims`), and its shape guards decide them (the length inside the range
+      compiled for, sizes that must agree). A call of sizes other than the harvested
+      call's must also find no earlier entry (in cache order) whose diff guards pass:
+      Dynamo would run the first entry that accepts it.
     """
 
-    __slots__ = ("code", "fn", "global_state", "key", "manager", "tensors")
+    __slots__ = (
+        "code",
+        "decode",
+        "earlier",
+        "fn",
+        "global_state",
+        "key",
+        "rest",
+        "symbolic",
+        "tensors",
+    )
 
     def __init__(
         self,
@@ -66,24 +89,50 @@ class DirectEntry:
         key: tuple[Any, ...],
         tensors: list[torch.Tensor],
         several: bool,
+        scope: dict[str, Any],
+        earlier: list[Any],
     ) -> None:
         self.code: types.CodeType = entry.code
         self.fn = types.FunctionType(
             entry.code, TRAMPOLINE_GLOBALS, entry.code.co_name, None, closure
         )
         self.key = key
-        # Static sizes and strides (None: every dimension as the tensor has it now).
+        manager = entry.guard_manager
+        dims = None
+        if has_shape_guards(manager) and nn.Parameter not in key:
+            # Not with a parameter as an input: the diff guards leave its metadata out.
+            dims = symbolic_dims(entry, scope, tensors)
+        sizes: Any = None  # None: every dimension as the tensor has it now
+        strides: Any = None
+        if dims is not None:
+            sizes = [_free(t.shape, d[0]) for t, d in zip(tensors, dims)]
+            strides = [_free(t.stride(), d[1]) for t, d in zip(tensors, dims)]
         self.tensors = _guards.TensorGuards(
-            *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None
+            *tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides
         )
         self.global_state = _guards.GlobalStateGuard()
-        self.manager: Any = entry.guard_manager if several else None
-        """The entry's guard manager when other entries may serve a call of the same
-        mode: its diff guards pick between them. With one compile per mode the mode
-        key and global state already tell the entries apart (their guards check
-        grad mode, ``.training`` and autocast), and the diff guards are skipped.
-        Entries are added only with the stance off, which empties every dispatch
-        table, so a table never outlives a change in their number."""
+        self.rest: Any = None
+        """The entry's diff guards beyond the arguments, where :meth:`matches` needs them
+        (several entries for the mode, or symbolic sizes); else None. Entries are added
+        only with the stance off, which empties every dispatch table, so a table never
+        outlives a change in their number."""
+        self.earlier: tuple[Any, ...] = ()
+        """With symbolic sizes, the guard managers of the entries before this one."""
+        if several or dims is not None:
+            self.rest = beyond_arguments(manager)
+            if self.rest is None and dims is not None:  # no clone: the sizes harvested only
+                self.tensors = _guards.TensorGuards(
+                    *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None
+                )
+                dims = None
+            if self.rest is None and several:
+                self.rest = _WholeDiff(manager)
+        if dims is not None:
+            self.earlier = tuple(earlier)
+        self.symbolic = dims is not None
+        """Whether its ``TensorGuards`` leave some sizes to the shape guards."""
+        self.decode = in_key(key)
+        """Whether the calls it serves carry a transformers cache (counted apart)."""
 
     def matches(
         self,
@@ -92,7 +141,7 @@ class DirectEntry:
         scope: Callable[[], dict[str, Any]],
     ) -> bool:
         """Whether a call with this key and these tensors may run this entry (``scope``
-        gives the frame's locals, for the diff guards)."""
+        gives the frame's locals, for the entry's own guards)."""
         assert live_codes is not None
         if not (
             key == self.key
@@ -101,7 +150,33 @@ class DirectEntry:
             and self.tensors.check(*tensors)
         ):
             return False
-        if self.manager is None:
+        rest = self.rest
+        if rest is None:
             return True
-        root = self.manager.diff_guard_root  # Dynamo rebuilds it when entries change
-        return root is None or _guard_check(root, scope())
+        frame = scope()
+        if not _guard_check(rest, frame):
+            return False
+        for manager in self.earlier:  # Dynamo rebuilds the diff guards when entries change
+            root = manager.diff_guard_root
+            if root is None or _guard_check(root, frame):
+                return False
+        return True
+
+
+class _WholeDiff:
+    """The entry's whole diff guard tree, read at each check (a torch without
+    ``clone_manager``: Dynamo rebuilds the tree when entries change)."""
+
+    __slots__ = ("manager",)
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    def check(self, scope: dict[str, Any]) -> bool:
+        root = self.manager.diff_guard_root
+        return root is None or bool(root.check(scope))
+
+
+def _free(values: Any, dims: tuple[int, ...]) -> list[int | None]:
+    """``values`` (sizes or strides) with ``None`` at ``dims``: left to the shape guards."""
+    return [None if i in dims else int(v) for i, v in enumerate(values)]

@@ -28,6 +28,7 @@ from guardtrain.compile.accept import (
     remember_full_guards,
     stance_choice,
 )
+from guardtrain.compile.caches import carries_cache, in_key
 from guardtrain.compile.call_mode import (
     CallMode,
     any_autocast,
@@ -145,10 +146,11 @@ def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         # The last admitted call's arguments and mode (most calls). Only a mode the stance
         # may serve is ever admitted, and a compile, a rebuild or another code forgets it.
         verdict = ADMITTED
+        decode = target.last_decode
         if target.key_of is call_key:
             target.key_of = repeat_key(key, args, kwargs)  # a repeat: recognise it fast
     else:
-        verdict = _verdict(target, mode, key, args, kwargs)
+        verdict, decode = _verdict(target, mode, key, args, kwargs)
         if verdict is MISSED:
             return _NOT_RUN
     if target.direct:
@@ -173,12 +175,14 @@ def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         if unsafe is None:
             return _not_our_stance(target, args, kwargs)
     _eval_frame._stance = unsafe
+    target.decode_calls += decode  # a transformers cache: a generate() call (H53)
     try:
         return target.compiled(*args, **kwargs)
     except RuntimeError as err:
         failed = err
     finally:
         _eval_frame._stance = previous
+    target.decode_calls -= decode  # it did not run
     return _after_stance_miss(target, failed, mode, key, args, kwargs)
 
 
@@ -188,10 +192,26 @@ def _verdict(
     key: tuple[Any, ...],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> str:
+) -> tuple[str, bool]:
     """How a steady call with another key or mode than the last admitted call runs
-    (:func:`~guardtrain.compile.accept.admit`'s verdicts); on :data:`MISSED` the call has
-    left the stance."""
+    (:func:`~guardtrain.compile.accept.admit`'s verdicts; on :data:`MISSED` the call has
+    left the stance), and whether its key describes a transformers cache (H53), which an
+    admitted key keeps for its repeats (``last_decode``)."""
+    verdict = _admission(target, mode, key, args, kwargs)
+    decode = in_key(key)
+    if target.last_key is key:
+        target.last_decode = decode
+    return verdict, decode
+
+
+def _admission(
+    target: TargetState,
+    mode: CallMode,
+    key: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> str:
+    """:func:`_verdict`'s verdict."""
     if mode[3] is not target.code.autocast and not target.retry_eagerly:
         # Autocast flipped: the code of the other state, kept or checked (H44, H46).
         autocast_switched(target, args, kwargs)
@@ -313,6 +333,7 @@ def guarded(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if any_autocast() is not target.code.autocast and not target.retry_eagerly:
         autocast_switched(target, args, kwargs)  # the code of this autocast state (H44)
     target.calls += 1
+    target.decode_full_guards += carries_cache(args, kwargs)  # generate()'s calls (H53)
     code = target.code
     code.current = target
     if not code.install_free_tensors:

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 
 import guardtrain.compile.call_mode as _call_mode
-from guardtrain.compile.accept import accepting_entry
+from guardtrain.compile.accept import first_accepting
 from guardtrain.compile.call_mode import CallMode, outside_state_clear
 from guardtrain.compile.direct import DIRECT_LIMIT, DirectEntry
 from guardtrain.compile.miss import Miss, MissReason
 from guardtrain.compile.state import TargetState
+from guardtrain.compile.trampoline import cache_entry_list
 
 __all__ = ["direct_entry", "harvest", "may_harvest"]
 
@@ -52,6 +53,7 @@ def direct_entry(
             return None
         direct = harvested
     target.direct_calls += 1
+    target.decode_calls += direct.decode
     if target.checking:
         target.checks += 1
     return direct
@@ -79,12 +81,23 @@ def harvest(
     first whose guard manager accepts it, in cache order), as a :class:`DirectEntry`
     for calls like it, added to the table; None when no entry accepts the call."""
     target.harvests += 1
-    found = accepting_entry(target, args, kwargs)
+    scope = target.call_scope(args, kwargs)
+    found = first_accepting(target.code.trampoline, scope)
     if found is None:
         return None
     entry, entries = found
     code = target.code
     several = entries > 1 and code.mode_compiles.get(mode, 0) != 1
-    direct = DirectEntry(entry, code.closure, key, tensors, several=several)
-    target.dispatch_table.setdefault(mode, []).append(direct)
+    earlier = []
+    if entries > 1 and cache_entry_list is not None:
+        for other in cache_entry_list(code.trampoline):
+            if other.code is entry.code:
+                break
+            earlier.append(other.guard_manager)
+    direct = DirectEntry(entry, code.closure, key, tensors, several, scope, earlier)
+    table = target.dispatch_table.setdefault(mode, [])
+    if direct.symbolic:
+        table.insert(0, direct)  # it serves every size of a decode loop: asked first
+    else:
+        table.append(direct)
     return direct

@@ -108,9 +108,16 @@ class TargetState(Protocol):
     """What makes a steady call's key: :func:`~guardtrain.compile.call_mode.call_key`, or
     after a repeated key one made for it (:mod:`guardtrain.compile.repeat`)."""
     last_mode: CallMode | None
+    last_decode: bool
+    """Whether :attr:`last_key` describes a transformers cache (a ``generate()`` call, H53)."""
     full_guard_calls: int
     """Calls under the stance whose arguments no key describes (a module, an object):
     they ran with full guards."""
+    decode_calls: int
+    """Calls carrying a transformers cache that ran under the stance or directly (H53)."""
+    decode_full_guards: int
+    """Calls carrying a transformers cache that ran with full guards (warm-up, audits, or
+    no entry's check let them through)."""
     checked_generation: int
     """The code's generation at which this member was last checked against its entries."""
     calls: int

@@ -50,6 +50,7 @@ __all__ = [
     "StateKey",
     "keep",
     "leave",
+    "resume",
     "state_key",
     "swap",
 ]
@@ -82,6 +83,7 @@ class Known:
     delegated: dict[tuple[Any, ...], frozenset[int]]
     last_key: tuple[Any, ...] | None
     last_mode: CallMode | None
+    last_decode: bool
     key_of: Callable[..., Any]
 
 
@@ -166,6 +168,7 @@ def keep(target: Any) -> bool:
         target.delegated,
         target.last_key,
         target.last_mode,
+        target.last_decode,
         target.key_of,
     )
     kept.state = None
@@ -181,11 +184,23 @@ def leave(target: Any) -> None:
         target.versions = target.versions.successor()
 
 
-def swap(target: Any, key: StateKey) -> bool:
+def resume(target: Any) -> None:
+    """The steady state is on again after a loop pass started or ended (the state was left
+    then, :func:`leave`): what the target's calls learnt in its state before is put back if
+    still true (as :func:`swap` checks), without counting a swap."""
+    kept = target.kept
+    if target.changed or kept.state is not None:
+        return
+    key = state_key(target, target.code.autocast)
+    if key in kept.known:
+        swap(target, key, count=False)
+
+
+def swap(target: Any, key: StateKey, count: bool = True) -> bool:
     """Put back what ``target`` learnt in state ``key``, if it is still true: the same
     epoch, the code not compiled nor rebuilt since and still its family's variant for
     the key's ``requires_grad`` and autocast. The state being left is kept. True when
-    swapped."""
+    swapped; ``count``: a flip, counted in :attr:`Kept.swaps`."""
     kept = target.kept
     found: Known | None = kept.known.pop(key, None)
     if found is None:
@@ -200,7 +215,7 @@ def swap(target: Any, key: StateKey) -> bool:
     ):
         return False
     left = kept.state
-    if left is not None and left[0] != key[0]:
+    if count and left is not None and left[0] != key[0]:
         kept.grad_swaps += 1  # a requires_grad flip, counted as the general check counts it
     keep(target)
     old = target.code
@@ -221,7 +236,8 @@ def swap(target: Any, key: StateKey) -> bool:
     target.delegated = found.delegated
     target.last_key = found.last_key
     target.last_mode = found.last_mode
+    target.last_decode = found.last_decode
     target.key_of = found.key_of
     kept.state = key
-    kept.swaps += 1
+    kept.swaps += count
     return True

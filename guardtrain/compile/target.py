@@ -122,6 +122,7 @@ class CompiledTarget:
         self.first_call = False
         self.versions = Polled()
         self.full_guard_calls, self.checked_generation, self.calls = 0, 0, 0
+        self.decode_calls, self.decode_full_guards = 0, 0
         self.unverified: Callable[..., Any] | None = None
         self.mismatch: str | None = None
         self.handed_over: str | None = None  # why it has full guards for the run (H51)
@@ -288,14 +289,21 @@ class CompiledTarget:
         """The steady state starts or ends: calls set the stance around their own compiled
         call (``stances``: what they write, H41), and with direct dispatch allowed run
         harvested entries. Off empties the dispatch table (harvested again when the
-        steady state is next on). Known states go stale, but with ``keep`` (H46)."""
+        steady state is next on). Known states go stale, but with ``keep`` (a loop pass
+        starts or ends, H46): then what the calls learnt (the dispatch table, the keys
+        admitted) is kept as the current state's, and put back when the stance is next on
+        if the state is still the same."""
         if stances is not None:
             self.plain_stance, self.unsafe_stance = stances.plain, stances.unsafe
         self.under_stance = on = on and self.handed_over is None  # full guards: never (H51)
         if not keep:
             self.kept.stale()  # after a time outside the stance, what was kept may be stale
-        if not self.changed and self.kept.state is None:  # where calls learn from now on (H46)
-            self.kept.state = _states.state_key(self, self.code.autocast)
+        elif on:
+            _states.resume(self)  # what the calls learnt before the loop pass ended (H46)
+        else:
+            _states.leave(self)  # a loop pass starts or ends: kept for the next (H46)
+        if (on or not keep) and not self.changed and self.kept.state is None:
+            self.kept.state = _states.state_key(self, self.code.autocast)  # learnt from now on
         self.direct = (
             on and self.direct_allowed and self.unverified is None and not self.code.graph_breaks
         )
@@ -312,6 +320,7 @@ class CompiledTarget:
         self.delegated: dict[tuple[Any, ...], frozenset[int]] = {}
         self.last_key: tuple[Any, ...] | None = None
         self.last_mode: CallMode | None = None
+        self.last_decode = False
         self.key_of: Callable[..., Any] = call_key
 
     def allow_direct_dispatch(self, allowed: bool) -> None:
@@ -391,12 +400,21 @@ def _getstate_without(module: nn.Module, previous: dict[str, Any]) -> Callable[[
     return __getstate__
 
 
-def take_call_counts(target: CompiledTarget) -> tuple[int, int, int, int]:
-    """``(direct calls, full-guard calls, swaps, requires_grad swaps)`` of ``target`` since
-    the last time, counted afresh from 0."""
+def take_call_counts(target: CompiledTarget) -> tuple[int, ...]:
+    """``(direct calls, full-guard calls, swaps, requires_grad swaps, decode calls served,
+    decode calls with full guards)`` of ``target`` since the last time, counted afresh
+    from 0."""
     kept = target.kept
-    counts = (target.direct_calls, target.full_guard_calls, kept.swaps, kept.grad_swaps)
+    counts = (
+        target.direct_calls,
+        target.full_guard_calls,
+        kept.swaps,
+        kept.grad_swaps,
+        target.decode_calls,
+        target.decode_full_guards,
+    )
     target.direct_calls = target.full_guard_calls = kept.swaps = kept.grad_swaps = 0
+    target.decode_calls = target.decode_full_guards = 0
     return counts
 
 

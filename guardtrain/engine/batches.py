@@ -12,8 +12,6 @@ acted on through :class:`~guardtrain.engine.repairs.Repairs`.
 
 from __future__ import annotations
 
-import torch
-
 from guardtrain.compile import CompiledTarget, grad_change, grad_moved, use_grad_variant
 from guardtrain.engine import checks, decisions
 from guardtrain.engine.changes import Change
@@ -218,12 +216,11 @@ class BatchChecks:
 
     def blocked(self) -> str | None:
         """Why the ready targets may not use the stance (:func:`decisions.blocker`), or None."""
-        limit = getattr(torch._dynamo.config, "recompile_limit", 8)
         installed = self.run.targets.installed
         kept = [t for t in installed if t.handed_over is None]  # full guards, never the stance
         if installed and not kept:
             return "every target runs with full guards for the rest of the run (H51)"
-        return decisions.blocker(kept, limit, self.run.host.root_label)
+        return decisions.blocker(kept, self.run.host.root_label)
 
     def _measures_lookup(self) -> bool:
         """Whether entering the training loop's stance starts the lookup windows."""

@@ -166,15 +166,14 @@ class _Entries:
     entries: int
 
 
-def blocker(
-    targets: Sequence[TargetView], recompile_limit: int, root_label: str = "<model>"
-) -> str | None:
+def blocker(targets: Sequence[TargetView], root_label: str = "<model>") -> str | None:
     """Why the stance must not be entered now, or None.
 
     No target has compiled code; a target was called but never compiled (Dynamo
     skipped it, H18); a target has graph breaks (a miss in a resumed frame would
-    come after part of the forward ran, H4); a target reached the recompile
-    limit (Dynamo runs it eagerly and the stance would raise, H5).
+    come after part of the forward ran, H4). A target at Dynamo's recompile limit may
+    enter: a call that no entry accepts runs with full guards, uncompiled, as under
+    plain compile (H5).
     """
     views = [_Entries(t.name, t.calls, t.graph_breaks, t.cache_entries()) for t in targets]
     if views and all(v.entries == 0 for v in views):
@@ -187,10 +186,5 @@ def blocker(
             return (
                 f"target {label!r} has graph breaks; under the stance a miss in a resumed "
                 "frame would come after part of the forward ran"
-            )
-        if v.entries >= recompile_limit:
-            return (
-                f"target {label!r} reached recompile_limit={recompile_limit}; Dynamo runs it "
-                "eagerly and the stance would raise"
             )
     return None

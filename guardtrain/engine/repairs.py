@@ -9,7 +9,9 @@ The checks (:mod:`~guardtrain.engine.checks`) say what they found; this acts on 
 
 from __future__ import annotations
 
-from guardtrain.compile import CompiledTarget, Miss, hand_over, use_grad_variant
+import torch
+
+from guardtrain.compile import CompiledTarget, Miss, MissReason, hand_over, use_grad_variant
 from guardtrain.engine import breaks as _breaks
 from guardtrain.engine import checks
 from guardtrain.engine.changes import Action, Change
@@ -17,7 +19,17 @@ from guardtrain.engine.handover import CHECK_WINDOW, checks_over
 from guardtrain.engine.run import TRAIN, Run
 from guardtrain.engine.targets import breaks_of, label, regions
 
-__all__ = ["Repairs"]
+__all__ = ["Repairs", "at_recompile_limit"]
+
+_INPUT_MISSES = frozenset(
+    (MissReason.UNSEEN_ARGUMENTS, MissReason.UNACCEPTED, MissReason.STANCE_MISS, MissReason.MODE)
+)
+"""Misses of a call's inputs (arguments, shapes, mode), not of a change to the model."""
+
+
+def at_recompile_limit(target: CompiledTarget) -> bool:
+    """Whether ``target``'s code holds as many entries as Dynamo compiles for one frame."""
+    return target.cache_entries() >= getattr(torch._dynamo.config, "recompile_limit", 8)
 
 
 class Repairs:
@@ -75,8 +87,16 @@ class Repairs:
             self.rebuild_or_leave_shared(target, reason)
 
     def on_miss(self, target: CompiledTarget, miss: Miss) -> bool:
-        """A call of ``target`` missed: leave the stance; True to run it with full guards."""
+        """A call of ``target`` missed: leave the stance; True to run it with full guards.
+
+        Not at Dynamo's recompile limit, for a call whose inputs no entry accepts (H5): no
+        entry can be compiled for it, and Dynamo runs it uncompiled, as under plain compile.
+        That call runs with full guards and the loop stays steady (a re-arm would only
+        repeat the miss)."""
         r = self.run
+        if miss.reason in _INPUT_MISSES and not r.paired() and at_recompile_limit(target):
+            target.full_guard_calls += 1
+            return True
         kind, reason = checks.miss(self.label(target), miss, r.checks.checking, r.paired())
         if kind is not None:
             self.caught(kind, reason)

@@ -75,6 +75,7 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "state_swaps": ts.swaps + sum(t.kept.swaps for t in ts.kept),
         "full_guard_targets": [dict(h) for h in e.ledger.handed_over],
         "full_guard_calls": ts.full_guard_calls + sum(t.full_guard_calls for t in ts.kept),
+        "decode_calls": _decode(e),
         "checked_batches": e.checks.checked_batches + r.get("checked_batches", 0),
         "checked_calls": e.checks.checked_calls + r.get("checked_calls", 0),
         "graph_breaks": [dict(b) for b in ts.graph_breaks],
@@ -119,6 +120,21 @@ def _direct(e: Run) -> dict[str, Any]:
         "calls": ts.direct_calls
         + sum(t.direct_calls for t in ts.kept)
         + e.restored.get("direct_calls", 0),
+    }
+
+
+def _decode(e: Run) -> dict[str, int]:
+    """The calls that carried a transformers cache (``generate()``'s prefill and decode
+    calls, H53): ``served`` under the stance or directly, and with ``full_guards`` (in
+    warm-up, in audits, or where no entry's check let them through)."""
+    ts, restored = e.targets, e.restored.get("decode_calls", {})
+    return {
+        "served": ts.decode_calls
+        + sum(t.decode_calls for t in ts.kept)
+        + restored.get("served", 0),
+        "full_guards": ts.decode_full_guards
+        + sum(t.decode_full_guards for t in ts.kept)
+        + restored.get("full_guards", 0),
     }
 
 
@@ -209,6 +225,7 @@ def carried(s: dict[str, Any], train_batches: int) -> dict[str, Any]:
         checked_batches=s["checked_batches"],
         checked_calls=s["checked_calls"],
         direct_calls=s["direct_dispatch"]["calls"],
+        decode_calls=s["decode_calls"],
     )
     return restored
 

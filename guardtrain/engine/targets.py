@@ -82,6 +82,12 @@ class TargetSet:
     """Flips back to a known state by targets no longer in the run (H46)."""
     grad_swaps: int = 0
     """Of those, the flips of ``requires_grad``."""
+    decode_calls: int = 0
+    """Calls carrying a transformers cache served under the stance or directly (H53), by
+    targets no longer in the run."""
+    decode_full_guards: int = 0
+    """Calls carrying a transformers cache that ran with full guards, by targets no longer
+    in the run."""
 
     def batch_starts(self) -> None:
         """Before a batch: each target's next call is the batch's first, which checks the
@@ -233,11 +239,13 @@ class TargetSet:
         if not target.detach():  # the last user of its code (the others split in this pass)
             target.rebuild()  # forget its entries, resume functions included
         target.uninstall()
-        direct_calls, full_guard_calls, swaps, grad_swaps = take_call_counts(target)
+        direct_calls, full_guard_calls, swaps, grad_swaps, served, full = take_call_counts(target)
         self.direct_calls += direct_calls
         self.full_guard_calls += full_guard_calls
         self.swaps += swaps
         self.grad_swaps += grad_swaps
+        self.decode_calls += served
+        self.decode_full_guards += full
         index = self.installed.index(target)
         made = self._make(parts, paired, root_label)
         self.installed[index : index + 1] = made

@@ -14,6 +14,8 @@ users compile) and under the presets, interleaved in one process (:mod:`.suite`)
 * ``autocast-alternate``, ``rl-alternate``, ``vit-checkpoint`` (:mod:`.loops`): bf16
   autocast every other step; eval-mode rollouts then a train-mode update; a ViT with
   gradient checkpointing (timm's, or a built-in one where timm does not import).
+* ``rollout``, ``grpo`` (:mod:`.rollouts`): ``generate()`` inside training, a plain loop of
+  rollouts and updates, and TRL's ``GRPOTrainer`` generating with the model itself.
 * ``litgpt-fabric``, ``litgpt-fabric-regional`` (:mod:`.litgpt_fabric`): a litgpt GPT
   under Lightning Fabric, compiled whole or block by block.
 

@@ -68,7 +68,8 @@ class Setting:
 
     @property
     def preset(self) -> str | None:
-        return self.config if self.config in PRESETS else None
+        """The adapters' preset: a name of :data:`~guardtrain.presets.PRESETS`, or ``auto``."""
+        return self.config if self.config in PRESETS or self.config == "auto" else None
 
     @property
     def compiled(self) -> bool:
@@ -93,7 +94,10 @@ class Turn:
     """One turn of one configuration."""
 
     times: list[float]
-    """Seconds per timed step."""
+    """Seconds per timed step, by the wall clock."""
+    cpu: list[float]
+    """Seconds of the calling thread's CPU time per timed step (at one torch thread the whole
+    CPU step runs on it, and other processes' load does not count)."""
     steady: list[bool]
     """Per timed step: guardtrain counted it steady and nothing re-armed or compiled
     in it (always False without guardtrain)."""
@@ -148,19 +152,21 @@ class _Clock:
         self.settle = settle
         self.probe = probe
         self.step = 0
-        self.t0 = 0.0
+        self.t0 = self.c0 = 0.0
         self.times: list[float] = []
+        self.cpu: list[float] = []
         self.steady: list[bool] = []
 
     def begin(self) -> None:
         if self.probe is not None and self.step >= self.settle:
             self.probe.mark()
-        self.t0 = time.perf_counter()
+        self.t0, self.c0 = time.perf_counter(), time.thread_time()
 
     def end(self) -> None:
-        t = time.perf_counter() - self.t0
+        t, c = time.perf_counter() - self.t0, time.thread_time() - self.c0
         if self.step >= self.settle:
             self.times.append(t)
+            self.cpu.append(c)
             self.steady.append(self.probe is not None and self.probe.steady())
         self.step += 1
 
@@ -217,9 +223,10 @@ class LoopRunner(Runner):
         job, tuner = self.job, self.adapter
         probe = SteadyProbe(tuner) if tuner is not None else None
         times: list[float] = []
+        cpu: list[float] = []
         steady: list[bool] = []
         losses: list[torch.Tensor] = []
-        perf = time.perf_counter
+        perf, thread = time.perf_counter, time.thread_time
         with tuner if tuner is not None else contextlib.nullcontext():
             for k in range(settle + timed):
                 i = self.i
@@ -228,19 +235,20 @@ class LoopRunner(Runner):
                     probe.mark()
                 if tuner is not None:
                     batch = job.batch(i)
-                    t0 = perf()
+                    t0, c0 = perf(), thread()
                     with tuner.step(batch):
                         loss = job.step(i)
-                    t = perf() - t0
+                    t, c = perf() - t0, thread() - c0
                 else:
-                    t0 = perf()
+                    t0, c0 = perf(), thread()
                     loss = job.step(i)
-                    t = perf() - t0
+                    t, c = perf() - t0, thread() - c0
                 losses.append(loss)
                 if k >= settle:
                     times.append(t)
+                    cpu.append(c)
                     steady.append(probe is not None and probe.steady())
-        return Turn(times, steady, [float(x) for x in losses])
+        return Turn(times, cpu, steady, [float(x) for x in losses])
 
 
 # -- Lightning -----------------------------------------------------------------------------------
@@ -323,7 +331,7 @@ class LightningRunner(Runner):
         torch.manual_seed(seed)
         loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)  # type: ignore[var-annotated, arg-type]
         trainer.fit(self.module, loader)
-        return Turn(clock.times, clock.steady, [float(x) for x in losses])
+        return Turn(clock.times, clock.cpu, clock.steady, [float(x) for x in losses])
 
 
 # -- the Hugging Face Trainer ----------------------------------------------------------------
@@ -395,7 +403,7 @@ class HFRunner(Runner):
         trainer.args.seed = seed
         trainer.train()  # a fresh TrainerState: its log history is this turn's
         losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
-        return Turn(clock.times, clock.steady, losses)
+        return Turn(clock.times, clock.cpu, clock.steady, losses)
 
     def close(self) -> None:
         if self.adapter is not None:

@@ -3,10 +3,13 @@
 For each workload every configuration is built (its own model, the same seed), then
 each is warmed up with one untimed turn (its compiles happen there), then ``repeats``
 rounds: in each round every configuration runs one turn (``settle`` untimed steps,
-then ``steps`` timed ones), the order rotating from round to round. Reported per
-configuration: the median ms per timed step over all rounds, the per-round medians,
-and against plain compile the ratio of the medians with the per-round ratios' range;
-for the presets the facts of ``summary()`` that explain the speed.
+then ``steps`` timed ones), the order rotating from round to round. Each step is timed
+by the calling thread's CPU time and by the wall clock; at one torch thread the CPU
+time decides (:func:`clock_of`: other processes' load does not count in it). Reported
+per configuration: the median ms per timed step over all rounds, the per-round medians,
+and against plain compile the median of the per-round ratios (each round's turns ran
+side by side) with their range; for the presets the facts of ``summary()`` that
+explain the speed.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from guardtrain.bench.workloads import dpo, gan, litgpt_fabric, loops, trl_dpo
+from guardtrain.bench.workloads import dpo, gan, litgpt_fabric, loops, rollouts, trl_dpo
 from guardtrain.bench.workloads.core import PLAIN, Runner, Setting, Turn, Workload, frames, quiet
 from guardtrain.errors import GuardTrainValueError
 
@@ -33,20 +36,21 @@ __all__ = [
     "WORKLOADS",
     "SuiteOptions",
     "check_suite",
+    "clock_of",
     "format_checks",
     "format_suite",
     "parse_suite_configs",
     "run_suite",
 ]
 
-SUITE_CONFIGS = ("eager", "compile", "off", "safe", "balanced", "aggressive", "turbo")
+SUITE_CONFIGS = ("eager", "compile", "off", "safe", "balanced", "aggressive", "turbo", "auto")
 """The configurations a workload runs, in table order (no ``floor``: it is not sound)."""
-DEFAULT_CONFIGS = ("compile", "balanced", "aggressive", "turbo")
+DEFAULT_CONFIGS = ("compile", "balanced", "aggressive", "turbo", "auto")
 CHECK_LIMIT = 1.00
 """``--check``: the most a preset's ratio of medians to plain compile may be."""
 
 WORKLOADS: dict[str, Workload] = {
-    w.name: w for m in (dpo, trl_dpo, gan, loops, litgpt_fabric) for w in m.WORKLOADS
+    w.name: w for m in (dpo, trl_dpo, gan, loops, rollouts, litgpt_fabric) for w in m.WORKLOADS
 }
 """Every workload, in the suite's order."""
 
@@ -101,7 +105,7 @@ def run_suite(options: SuiteOptions) -> dict[str, Any]:
     try:
         with quiet():
             for name in options.workloads:
-                results.append(_run_workload(WORKLOADS[name], options))
+                results.append(_run_workload(WORKLOADS[name], options, clock_of(options.threads)))
     finally:
         torch.set_num_threads(threads)
     return {
@@ -109,6 +113,7 @@ def run_suite(options: SuiteOptions) -> dict[str, Any]:
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "threads": options.threads,
+        "clock": clock_of(options.threads),
         "options": dataclasses.asdict(options),
         "workloads": results,
         "wall_s": round(time.perf_counter() - t0, 1),
@@ -228,7 +233,14 @@ def _failed(w: Workload, options: SuiteOptions, out: dict[str, Any], err: Except
     _progress(options, f"{w.name}: error {out['error'][:300]}")
 
 
-def _run_workload(w: Workload, options: SuiteOptions) -> dict[str, Any]:
+def clock_of(threads: int | None) -> str:
+    """The clock whose ratios decide: the calling thread's CPU time at one torch thread
+    (the whole CPU step runs on it, and the machine's other load does not count), else
+    the wall clock (torch's other threads do part of the work)."""
+    return "cpu" if threads == 1 else "wall"
+
+
+def _run_workload(w: Workload, options: SuiteOptions, clock: str) -> dict[str, Any]:
     plan = _plan(w, options)
     out = _header(w, options, plan)
     missing = w.missing()
@@ -251,7 +263,7 @@ def _run_workload(w: Workload, options: SuiteOptions) -> dict[str, Any]:
         torch._dynamo.reset()
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     out["warmup_s"] = run.warm_s
-    out["configs"] = _stats(options.configs, run.turns, run.compiles, summaries)
+    out["configs"] = _stats(options.configs, run.turns, run.compiles, summaries, clock)
     if notes:
         out["notes"] = notes
     if caught:
@@ -273,15 +285,14 @@ def _median_ms(times: list[float]) -> float:
 
 
 def _row(
-    turns: list[Turn], compiles: dict[str, int], summary: dict[str, Any] | None
+    turns: list[Turn], compiles: dict[str, int], summary: dict[str, Any] | None, clock: str
 ) -> dict[str, Any]:
-    """One configuration's figures, from its turns."""
-    times = [t for turn in turns for t in turn.times]
+    """One configuration's figures, from its turns: ``median_ms`` and ``round_ms`` by the
+    deciding ``clock``, ``wall_ms`` and ``cpu_ms`` (medians) by each."""
     last_loss = turns[-1].losses[-1] if turns and turns[-1].losses else None
     row: dict[str, Any] = {
-        "median_ms": round(_median_ms(times), 3),
-        "round_ms": [round(_median_ms(turn.times), 3) for turn in turns],
-        "timed": len(times),
+        **_clocked(turns, clock),
+        "timed": sum(len(turn.times) for turn in turns),
         "steady_timed": sum(s for turn in turns for s in turn.steady),
         "dynamo_compiles": compiles,
         "last_loss": last_loss,
@@ -293,13 +304,27 @@ def _row(
     return row
 
 
+def _clocked(turns: list[Turn], clock: str) -> dict[str, Any]:
+    """The medians of a configuration's turns: by the deciding ``clock`` over all timed steps
+    (``median_ms``) and per round (``round_ms``); by each clock (``wall_ms``, ``cpu_ms``)."""
+    measured = [turn.cpu if clock == "cpu" else turn.times for turn in turns]
+    return {
+        "median_ms": round(_median_ms([t for ts in measured for t in ts]), 3),
+        "round_ms": [round(_median_ms(ts), 3) for ts in measured],
+        "wall_ms": round(_median_ms([t for turn in turns for t in turn.times]), 3),
+        "cpu_ms": round(_median_ms([t for turn in turns for t in turn.cpu]), 3),
+    }
+
+
 def _compare(row: dict[str, Any], plain: dict[str, Any]) -> None:
-    """Add to ``row`` its ratios to plain compile's row: of the medians, and per round."""
-    row["ratio"] = round(row["median_ms"] / plain["median_ms"], 3)
+    """Add to ``row`` its ratios to plain compile's row: per round (the configurations'
+    turns of one round ran side by side), and their median, which decides."""
     per_round = [a / b for a, b in zip(row["round_ms"], plain["round_ms"]) if b]
     row["ratio_rounds"] = [round(x, 3) for x in per_round]
+    row["ratio"] = round(statistics.median(per_round), 3) if per_round else None
     row["ratio_min"] = round(min(per_round), 3) if per_round else None
     row["ratio_max"] = round(max(per_round), 3) if per_round else None
+    row["ratio_wall"] = round(row["wall_ms"] / plain["wall_ms"], 3) if plain["wall_ms"] else None
 
 
 def _stats(
@@ -307,8 +332,9 @@ def _stats(
     turns: dict[str, list[Turn]],
     compiles: dict[str, dict[str, int]],
     summaries: dict[str, dict[str, Any] | None],
+    clock: str,
 ) -> dict[str, Any]:
-    rows = {c: _row(turns[c], compiles[c], summaries.get(c)) for c in configs}
+    rows = {c: _row(turns[c], compiles[c], summaries.get(c), clock) for c in configs}
     if PLAIN in rows:
         for c in configs:
             if c != PLAIN:
@@ -346,6 +372,7 @@ def facts(s: dict[str, Any]) -> dict[str, Any]:
         "rearms": len(s["rearms"]),
         "rearm_reasons": reasons[:3],
         "full_guard_calls": s["full_guard_calls"],
+        "decode_calls": dict(s["decode_calls"]),
         "direct_calls": s["direct_dispatch"]["calls"],
         "direct_refused": s["direct_dispatch"]["refused"],
         "caught_changes": {k: v.get("count", 0) for k, v in s["caught_changes"].items()},
@@ -374,7 +401,7 @@ HEADER = (
 
 
 def _ratio(row: dict[str, Any]) -> str:
-    if "ratio" not in row:
+    if row.get("ratio") is None:
         return "-"
     if row.get("ratio_min") is None:
         return f"{row['ratio']:.2f}"
@@ -445,11 +472,12 @@ def format_suite(data: dict[str, Any]) -> str:
             continue
         rows.extend(_cells(w, c, row) for c, row in w["configs"].items())
         notes.extend(_workload_notes(w))
+    clock = "the thread's CPU time" if data.get("clock") == "cpu" else "the wall clock"
     head = (
         f"torch {data['torch']}, {data['threads'] or 'default'} thread(s), {data['date']}; "
-        "ms/step: median over all timed steps; /compile: ratio of medians to plain compile "
-        "[per-round ratios, min-max]; steady: timed steps guardtrain ran steady; compiles: "
-        "Dynamo frames compiled in warm-up + rounds"
+        f"timed by {clock}; ms/step: median over all timed steps; /compile: median of the "
+        "per-round ratios to plain compile [min-max]; steady: timed steps guardtrain ran "
+        "steady; compiles: Dynamo frames compiled in warm-up + rounds"
     )
     return "\n".join([head, "", *_aligned(rows), *([""] if notes else []), *notes])
 
@@ -465,7 +493,7 @@ def check_suite(data: dict[str, Any]) -> list[dict[str, Any]]:
             )
             continue
         for c, row in w.get("configs", {}).items():
-            if "ratio" not in row or c == "eager":
+            if row.get("ratio") is None or c == "eager":
                 continue
             verdicts.append(
                 {
