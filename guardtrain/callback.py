@@ -28,48 +28,34 @@ _TRAIN, _VALIDATE, _TEST, _PREDICT = (loop.value for loop in Loop)
 class GuardTuneCallback(EngineView, Callback):
     r"""Compile the model, warm up, lock guards, and fall back to full guards on any change.
 
-    The callback compiles its targets in place when the run starts (after the
-    strategy placed the model), counts Dynamo compilations while each loop warms
-    up, then makes that loop steady (presets ``auto``, the default, ``balanced``,
-    ``aggressive`` and ``turbo``): each target call sets ``skip_guard_eval_unsafe`` around its own
-    compiled call and puts the stance back after it (H41), so the loss, the optimizer
-    step and every other compiled function run with full guards. Whenever the inputs or
-    the model differ from what was warmed, the loop goes back to full guards (a
-    *re-arm*) and the reason is recorded. At the end of the run everything it changed
-    is restored: Dynamo's config, the patched classes, and the modules' ``forward``.
+    When the run starts (after the strategy placed the model) the callback compiles its
+    targets in place. Each loop runs with full guards while it warms up; once it stops
+    compiling it is *steady* (presets ``auto``, the default, ``balanced``, ``aggressive``
+    and ``turbo``): the targets' own compiled calls skip Dynamo's guard evaluation, while
+    the loss, the optimizer step and every other compiled function keep full guards.
+    guardtrain's own checks (the batch signature and the ``training`` flag every batch;
+    parameters, buffers, hooks and module attributes at loop boundaries and every
+    ``audit_every`` batches; each call's mode) send the loop back to full guards (a
+    *re-arm*, with its reason recorded) whenever the inputs or the model differ from what
+    was warmed. At the end of the run everything it changed is restored. ``summary()``
+    says what each loop did.
 
-    What is checked when:
-
-    * **every batch**: the batch
-      signature (shapes, dtypes and devices of the batch's tensors) against those
-      seen with full guards, and the LightningModule's ``training`` flag. An
-      unseen signature leaves the stance *before* the step runs.
-    * **at loop and epoch boundaries** (in the first batch-start hook of the loop,
-      after every other callback's epoch-start hook), and every ``audit_every``
-      batches: identity, dtype, device and shape of every parameter and buffer of
-      each target (a parameter's ``requires_grad`` picks the code compiled for it,
-      H42), the hooks of every submodule, and
-      every constant, identity, type and hook guard Dynamo built on module
-      attributes (``dropout.p``, BatchNorm ``momentum``, a float read in
-      ``forward``). A change a dropped guard would have caught rebuilds the target
-      (the next call recompiles); one the kept guards catch leaves the stance.
-    * **in each compiled call under the stance**: the call's ``(training, grad
-      mode, inference mode, autocast)`` must be a combination compiled with full
-      guards (the stance does not check ``training``, H1), else the stance is left
-      first; a call the stance cannot pick an entry for, where one exists, runs with
-      full guards alone (H44); a cache miss (H4) leaves the stance and retries the
-      call once with full guards. Dynamo raises before the frame runs, and targets with graph
-      breaks keep every guard and never use the stance, so no part of a step runs
-      twice. With ``targets=None`` a target that breaks the graph is replaced by
-      its parts (H20).
+    How it works, and what is checked when: docs/how-it-works.md ("The checks").
 
     Args:
         {arguments}
 
     Raises:
-        GuardTrainValueError: an unknown preset or filter name, a negative step
-            count, conflicting filters, unknown ``compile_kwargs`` keys.
+        GuardTrainValueError: an argument out of range, e.g. an unknown preset or filter
+            name, ``stable_steps=0``, a filter passed twice, unknown ``compile_kwargs``
+            keys, ``direct_dispatch=True`` with ``use_stance=False``. When the run
+            starts: a model or target compiled already, a ``targets`` entry that
+            matches no submodule, an optimizer that ``compile_optimizer=True`` cannot
+            compile (``LBFGS``, ``differentiable=True``).
         GuardTrainTypeError: an argument of the wrong type.
+        GuardTrainRuntimeError: when the run starts, torch's unsafe stance is already
+            set, or a target is compiled by another guardtrain run that is still going.
+        TypeError: an unknown keyword argument.
 
     Example::
 

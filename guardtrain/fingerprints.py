@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from torch import nn
 
-__all__ = ["fingerprint_change", "module_fingerprint"]
+__all__ = ["fingerprint_change", "hooks_changed_in", "module_fingerprint"]
 
 
 _HOOK_DICTS = (
@@ -112,6 +113,16 @@ def _hooks_change(name: str, before: tuple[Any, ...] | None, row: tuple[Any, ...
         if len(now) < len(was) and set(now) <= set(was):
             return f"a {kind} was removed from {name!r}"
     return f"hooks of {name!r} changed"
+
+
+_HOOKS_OF = re.compile(r"^(?:a .* was (?:added to|removed from)|hooks of) '([^']+)'")
+
+
+def hooks_changed_in(change: str) -> str | None:
+    """The submodule (a path relative to the fingerprinted module) whose hooks ``change``,
+    as :func:`fingerprint_change` words it, says changed; None for any other change."""
+    found = _HOOKS_OF.match(change)
+    return None if found is None or found.group(1) == "<root>" else found.group(1)
 
 
 def fingerprint_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None:

@@ -37,10 +37,13 @@ different in the ``Trainer`` (H38):
   run of its own (started by its first model call, ended by ``on_evaluate`` /
   ``on_predict``). Model calls in evaluation mode outside a Trainer's evaluation
   (``generate`` after training) are not touched.
-* **Default targets** (``targets=None``): the base model (``base_model_prefix``)
-  and the other children with parameters (the head), so that the loss and the
-  Trainer's keyword arguments (``num_items_in_batch``) stay in eager code. A
-  default target that breaks the graph is replaced by its parts (its blocks, H20).
+* **Default target** (``targets=None``): the outermost ``PreTrainedModel`` (the
+  model itself, or the one a PEFT model wraps): at least what ``torch_compile=True``
+  compiles, less a PEFT wrapper's ``forward``, and what ``generate()`` calls at every
+  decode step. A default target that breaks the graph is replaced by its parts (its base
+  model and head, then their blocks, H20); with direct dispatch (turbo, ``auto``) one
+  that also has entries without a break (only the training forward breaks, as in TRL's
+  GRPO) is kept whole: those calls run directly, the others with full guards.
 * **The Trainer's own compile is taken over.** With ``torch_compile=True`` (or
   ``ACCELERATE_DYNAMO_BACKEND``), accelerate's ``TorchDynamoPlugin`` is switched
   off when the Trainer is made (the callback must be passed to ``Trainer(...,
@@ -102,18 +105,32 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
     The same engine and keyword arguments as :class:`~guardtrain.GuardTuneCallback`.
     A forward pre-hook and an always-called forward hook on the model bracket every
     ``model(**inputs)``: each call is one batch of the engine (``warmup_steps``,
-    ``stable_steps`` and ``audit_every`` count calls), and the stance is set only
-    around a target's own compiled call (H41). Default targets: the base model and the head. The Trainer's own
-    compile (``torch_compile=True``) is taken over when the Trainer is made. The
-    rules are in this module's docstring and in docs/hf.md.
+    ``stable_steps`` and ``audit_every`` count calls, so micro-batches with gradient
+    accumulation). Only the targets' own compiled calls skip guards; the loss, the
+    optimizer step and the Trainer's code keep full guards. Default target: the
+    outermost ``PreTrainedModel``. The Trainer's own compile (``torch_compile=True``)
+    is taken over when the Trainer is made, so pass the callback to ``Trainer(...,
+    callbacks=[...])``. Under DeepSpeed the callback switches itself off with a warning.
+
+    The rules in the ``Trainer``: docs/hf.md; the mechanism: docs/how-it-works.md.
 
     Args:
         {arguments}
 
     Raises:
-        GuardTrainValueError, GuardTrainTypeError: bad arguments, as the callback's.
+        GuardTrainValueError: an argument out of range, as
+            :class:`~guardtrain.GuardTuneCallback` refuses it. When a run starts: a
+            target compiled already, a ``targets`` entry that matches no submodule, an
+            optimizer that ``compile_optimizer=True`` cannot compile.
+        GuardTrainTypeError: an argument of the wrong type.
+        GuardTrainRuntimeError: when a run starts, torch's unsafe stance is already set,
+            or a target is compiled by another guardtrain run that is still going.
+        TypeError: an unknown keyword argument.
 
     Example::
+
+        from transformers import Trainer, TrainingArguments
+        from guardtrain import GuardTrainerCallback
 
         trainer = Trainer(model=model, args=TrainingArguments(...),
                           train_dataset=train, eval_dataset=val,

@@ -121,22 +121,18 @@ def base_of(model: nn.Module) -> tuple[nn.Module, ...]:
 
 
 def default_targets(root: nn.Module) -> list[str] | None:
-    """The default targets of a Hugging Face model: its base model (``base_model_prefix``)
-    and the other children with parameters (the head), found in the outermost
-    ``PreTrainedModel`` inside ``root`` (a PEFT model wraps one).
+    """The default target of a Hugging Face model: the outermost ``PreTrainedModel`` in
+    ``root`` (``root`` itself, or the model a PEFT model wraps). Its ``forward`` is what a
+    training step calls through the wrappers and what its ``generate()`` calls at every
+    decode step (a PEFT model's ``generate()`` calls its base model, never the PEFT
+    wrapper's ``forward``). When it breaks the graph it is split into its parts (its base
+    model and head, H20), unless direct dispatch serves the calls that do not break.
 
-    A bare base model (``GPT2Model``) gives its own children with parameters. None when
-    ``root`` holds no Hugging Face model (the engine's default then applies)."""
+    None when ``root`` holds no Hugging Face model (the engine's default then applies)."""
     for path, module in root.named_modules():
         prefix = getattr(type(module), "base_model_prefix", None)
-        if not isinstance(prefix, str) or not hasattr(type(module), "_no_split_modules"):
-            continue
-        children = dict(module.named_children())
-        names = [prefix] if prefix in children else []
-        for name, child in children.items():
-            if name != prefix:
-                names.extend(_parts(name, child))
-        return [f"{path}.{n}" if path else n for n in names] or None
+        if isinstance(prefix, str) and hasattr(type(module), "_no_split_modules"):
+            return [path]
     return None
 
 
@@ -144,16 +140,6 @@ def _compilable(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None and (
         type(module).forward is not nn.Module.forward
     )
-
-
-def _parts(name: str, module: nn.Module) -> list[str]:
-    """``name`` if ``module`` has parameters and a ``forward``; a container without one
-    (``ModuleList``) gives its children's parts; nothing without parameters."""
-    if next(module.parameters(), None) is None:
-        return []
-    if type(module).forward is not nn.Module.forward:
-        return [name]
-    return [p for n, child in module.named_children() for p in _parts(f"{name}.{n}", child)]
 
 
 def _repeated(module: nn.Module) -> bool:

@@ -16,8 +16,7 @@ use_stance=False)`` reads as "the balanced preset, but never enter the stance".
 Every preset compiles; ``off`` only leaves Dynamo's guards as they are.
 
 ``auto``, the default, is the fastest configuration the run allows: ``turbo``'s levers,
-and where direct dispatch is refused (a target with graph breaks, FSDP, guard
-collectives) ``aggressive``'s stance, per target, with no warning: the setup line and
+and where direct dispatch is refused (FSDP, guard collectives) ``aggressive``'s stance, per target, with no warning: the setup line and
 ``summary()["auto"]`` say what it chose and why. Every preset is equally sound on
 guardtrain's suites, so the default takes the fastest (docs/design.md, "The default").
 It is not in :data:`PRESETS`: :func:`get_preset` gives it ``turbo``'s levers.
@@ -34,7 +33,9 @@ its mode directly, below Dynamo's entry path, after guardtrain's own per-call
 checks (the call's mode, global state, the input tensors' metadata, the values
 of non-tensor arguments, no active compile callback, torch-function mode or
 saved-tensor hooks, and that the entry is still in Dynamo's cache). A call that
-fails a check takes the normal path. Targets with graph breaks, FSDP runs and
+fails a check takes the normal path. A target with graph breaks runs the calls whose
+entry breaks with full guards and the others directly, never under the stance (a default
+target with no entry that runs whole is split first). FSDP runs and
 ``guard_collectives=True`` are refused, and the summary says why.
 
 Recursive dict tags (``torch._dynamo.config.use_recursive_dict_tags_for_guards``)
@@ -65,7 +66,33 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GuardPreset:
-    """The levers of one preset. Field names equal the callback's arguments."""
+    """The levers of one preset. Field names equal the callback's arguments.
+
+    What each lever does: docs/how-it-works.md ("Presets, levers and the floor").
+
+    Args:
+        warmup_steps: training batches with full guards before the stance.
+        stable_steps: batches without a compile needed to enter the stance.
+        recursive_dict_tags: Dynamo's recursive dict tags (``None``: torch's default).
+        install_free_tensors: compile with ``install_free_tensors``.
+        guard_filter: a filter name from :mod:`guardtrain.filters`, or ``None``.
+        use_stance: enter the unsafe stance once a loop is warm.
+        direct_dispatch: run each steady call's cache entry directly.
+
+    Raises:
+        GuardTrainTypeError: a step count that is not an int, a flag that is not a
+            bool (``recursive_dict_tags``: nor ``None``), a ``guard_filter`` that is
+            not a name or ``None``.
+        GuardTrainValueError: ``warmup_steps`` below 0 or ``stable_steps`` below 1.
+        TypeError: an unknown keyword argument, or a positional one.
+
+    Example:
+        >>> balanced = GuardPreset(
+        ...     install_free_tensors=True, guard_filter="skip_inbuilt_nn_modules", use_stance=True
+        ... )
+        >>> balanced == PRESETS["balanced"]
+        True
+    """
 
     warmup_steps: int = 20
     """Training batches that run with full guards before the stance may be entered."""

@@ -24,15 +24,11 @@ Usage::
         stats.guard_us             # guard µs per compiled call (per lookup)
         stats.guard_us_per_call    # guard µs per model call / step (all frames)
 
-Its own cost, measured on the 12-block transformer (inductor, one thread,
-2 shared cores, torch 2.13 CPU; medians of 7 windows): starting the profiler
-0.4-0.5 ms; stopping it and reading the events grow with the number of
-profiler events in the window (every aten op is recorded, not only the two
-events): per compiled call in the window about 1.1 ms to stop and 0.4 ms to
-parse, so 2.0 ms for a 1-call window, 8.0 ms for 5 calls, 31 ms for 20 calls.
-While the window is open, each call runs about 12% slower (2.48 -> 2.78 ms a
-call); the two events' own lengths are hardly affected (one timestamp pair
-each). So: measure a window of a few steps, a few times per run, and never
+Its own cost: starting the profiler costs a fixed amount; stopping it and reading
+the events grow with the number of profiler events in the window (every aten op is
+recorded, not only the two events), so with the number of compiled calls in it.
+While the window is open, each call runs slower; the two events' own lengths are
+hardly affected (one timestamp pair each). So: measure a window of a few steps, a few times per run, and never
 time whole steps inside it. ``guardtrain bench`` reports the cost of its own
 windows (``lookup_window_cost_us`` in the JSON).
 

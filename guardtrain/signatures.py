@@ -81,8 +81,8 @@ class SameSignature:
     strides, ``requires_grad`` and dispatch keys. That is stricter than the
     signature (strides, ``requires_grad``), so a match always has an equal
     signature; a batch that does not match may still have one, and is then
-    compared by its full signature. Cost for two tensors: about 0.4 µs,
-    against about 1 µs for :func:`batch_signature`; making one costs about 5 µs.
+    compared by its full signature. A match is cheaper than computing
+    :func:`batch_signature`; making one costs more, once per signature.
     """
 
     __slots__ = ("_check", "_keys", "_n", "_type", "misses", "signature")

@@ -133,23 +133,16 @@ class GuardTuner(EngineView):
     restores everything (the model's ``forward``, Dynamo's config, the patched
     classes), also after an exception.
 
-    Rules:
+    Wrap each step in ``with tuner.step(batch):``: on entry it checks the batch and
+    decides whether the step is steady, on exit it counts compiles. Only the targets' own
+    compiled calls skip guards in a steady step; your loss, the optimizer step (also one
+    you compiled yourself) and any compiled code between steps keep full guards.
+    GuardTuner never calls ``train()``/``eval()`` and never changes grad mode. Steps
+    outside any ``with tuner.loop(name):`` belong to training; ``tuner.loop("train")``
+    marks an epoch. With several processes every rank must run the same number of steps
+    per loop.
 
-    * ``tuner.step(batch)`` runs the per-batch checks on entry (the batch signature,
-      the model's ``training`` flag against the value the loop warmed up with, the
-      boundary re-check on the first step after any ``tuner.loop``) and decides whether
-      the step is steady before your code runs; on exit it counts compiles and decides
-      entry.
-    * In a steady step each call of a target sets the stance around its own compiled
-      call and puts it back (H41): your loss, the optimizer step (also one you compiled
-      yourself) and any compiled code between steps run with full guards.
-    * GuardTuner never calls ``train()``/``eval()`` and never changes grad mode. A
-      call whose ``(training, grad, inference mode, autocast)`` combination was not
-      warmed up leaves the stance before it runs.
-    * Steps outside any ``tuner.loop`` belong to training; ``tuner.loop("train")``
-      marks an epoch (with a boundary re-check).
-    * With several processes every rank must run the same number of steps per loop:
-      entry is voted at the same steps on every rank.
+    The rules in full: docs/how-it-works.md ("GuardTuner: the rules").
 
     Args:
         model: the module to compile, or a Fabric-wrapped module (``fabric.setup``);
@@ -158,14 +151,32 @@ class GuardTuner(EngineView):
             metrics to ``fabric.log_dict``. Without it, votes go through the default
             ``torch.distributed`` group when one is initialised, and metrics to the
             ``guardtrain`` logger.
+        optimizers: the optimizer, or a sequence of optimizers (Fabric-wrapped ones
+            too), whose steps ``compile_optimizer=True`` compiles; required with it,
+            unused without it.
         {arguments}
 
     Raises:
-        GuardTrainValueError, GuardTrainTypeError: bad arguments, as the callback's.
-        GuardTrainRuntimeError: nested steps or loops, or use outside the ``with``.
+        GuardTrainValueError: ``model`` is not an ``nn.Module``;
+            ``compile_optimizer=True`` without ``optimizers``; an argument out of
+            range, as :class:`~guardtrain.GuardTuneCallback` refuses it. On entering the
+            ``with``: a target compiled already, a ``targets`` entry that matches no
+            submodule, an optimizer that cannot be compiled (``LBFGS``,
+            ``differentiable=True``) or is given twice. ``tuner.loop(name)``: an
+            unknown loop name.
+        GuardTrainTypeError: an argument of the wrong type.
+        GuardTrainRuntimeError: nested ``with`` blocks, steps or loops, or
+            ``tuner.step``/``tuner.loop`` outside the ``with``; on entering the
+            ``with``, torch's unsafe stance already set or a target compiled by another
+            guardtrain run that is still going.
+        TypeError: an unknown keyword argument.
 
     Example::
 
+        import torch
+        from guardtrain import GuardTuner
+
+        opt = torch.optim.AdamW(model.parameters())  # model: a plain, uncompiled nn.Module
         with GuardTuner(model, preset="aggressive") as tuner:
             for x, y in loader:
                 with tuner.step((x, y)):
@@ -227,7 +238,7 @@ class GuardTuner(EngineView):
     # -- public ------------------------------------------------------------------------------
 
     def step(self, batch: Any) -> _Step:
-        """The context manager around one step of the current loop (see the class rules)."""
+        """The context manager around one step of the current loop (see the class docstring)."""
         self._step._batch = batch
         return self._step
 

@@ -72,7 +72,7 @@ def _entry(manager: Any) -> SimpleNamespace:
 
 
 def _target() -> SimpleNamespace:
-    """What accept.py reads and writes of a :class:`~guardtrain.compile.state.TargetState`."""
+    """What accept.py reads and writes of a :class:`~guardtrain.compile.target_state.TargetState`."""
     return SimpleNamespace(
         code=SimpleNamespace(trampoline=object()),
         call_scope=lambda args, kwargs: {"args": args, "kwargs": kwargs},

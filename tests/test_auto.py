@@ -1,7 +1,6 @@
 """``auto``, the default preset, and the bottom line (``summary()["step"]``).
 
-``auto`` has turbo's levers; where direct dispatch is refused (a target with graph breaks,
-FSDP, guard collectives) its targets run under aggressive's stance, and the setup line
+``auto`` has turbo's levers; where direct dispatch is refused (FSDP, guard collectives) its targets run under aggressive's stance, and the setup line
 and ``summary()["auto"]`` say so. FSDP2 for real is in ``tests/test_fsdp2.py``
 (``plain_auto_regional``). The step figures are tested for shape and consistency, never
 for timing.
@@ -15,7 +14,7 @@ import inspect
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from torch import nn
 from guardtrain import GuardTrainerCallback, GuardTuneCallback, GuardTuner, get_preset
 from guardtrain.engine.config import make_config
 from guardtrain.engine.engine import GuardEngine
-from guardtrain.engine.steps import StepClock, bottom_line
+from guardtrain.engine.steps import StepClock, bottom_line, cuda_events
 
 AOT = {"backend": "aot_eager"}
 
@@ -109,9 +108,10 @@ def test_the_hf_trainer_times_its_optimizer_steps(tmp_path: Path) -> None:
     assert step["saved_us"] is not None and step["note"], step
 
 
-def test_a_model_with_a_graph_break_runs_aggressive_there() -> None:
-    """An explicit target that breaks the graph keeps every guard and is refused direct
-    dispatch: auto chose aggressive's rules for it (the default targets would be split)."""
+def test_a_model_with_a_graph_break_runs_its_calls_with_full_guards() -> None:
+    """An explicit target that breaks the graph keeps every guard; its entries break, so
+    its steady calls run with full guards, never under the stance (H4), and the summary
+    names it (the default targets would be split)."""
     torch.manual_seed(0)
     model = Breaking()
     eager = copy.deepcopy(model)
@@ -119,11 +119,13 @@ def test_a_model_with_a_graph_break_runs_aggressive_there() -> None:
         tuner = GuardTuner(
             model, targets=[""], warmup_steps=2, stable_steps=1, compile_kwargs=EAGER
         )
-        got = _train(model, tuner, steps=6)
-    assert got == _train(eager, steps=6)
-    auto = tuner.summary()["auto"]
-    assert auto["chose"] == "aggressive", auto
-    assert list(auto["targets"]) == ["<model>"] and "graph breaks" in auto["targets"]["<model>"]
+        got = _train(model, tuner, steps=10)
+    assert got == _train(eager, steps=10)
+    s = tuner.summary()
+    assert s["auto"]["chose"] == "turbo", s["auto"]
+    assert s["direct_dispatch"]["broken_targets"] == ["<model>"]
+    assert s["steady_steps"] > 0 and s["full_guard_calls"] > 0
+    assert s["direct_dispatch"]["calls"] == 0
 
 
 def test_a_default_target_that_breaks_is_split_and_runs_turbo() -> None:
@@ -200,6 +202,56 @@ def test_a_step_counts_only_when_steady_throughout() -> None:
     clock.start((True, 4, 1))
     clock.end((True, 4, 1))
     assert len(clock.times) == 1 and clock.times[0] > 0
+
+
+class _FakeEvent:
+    """A CUDA timing event on a fake device: the device reaches an event when the test says
+    so, at the time the test gives (ms)."""
+
+    device_ms: ClassVar[float] = 0.0
+    reached: ClassVar[list[_FakeEvent]] = []
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.at: float | None = None
+        self.done = False
+
+    def record(self) -> None:
+        _FakeEvent.reached.append(self)
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert self.done and end.done and self.at is not None and end.at is not None
+        return end.at - self.at
+
+    @staticmethod
+    def run_device(ms: float) -> None:
+        """The device reaches every event recorded so far, each ``ms`` after the last."""
+        for event in _FakeEvent.reached:
+            _FakeEvent.device_ms += ms
+            event.at, event.done = _FakeEvent.device_ms, True
+        _FakeEvent.reached = []
+
+
+def test_on_cuda_a_step_is_timed_by_events_on_the_device_without_a_sync() -> None:
+    """The code path of CUDA's step clock, on the CPU: each steady step records an event at
+    its two marks; a pair is read only once the device has passed its end (never waited
+    for); steps the device has not finished are not counted yet."""
+    clock = StepClock(events=_FakeEvent)
+    clock.start((True, 0, 0))
+    clock.end((True, 0, 0))
+    clock.start((True, 0, 0))
+    clock.end((True, 0, 0))
+    assert not clock.times and len(clock.pending) == 2  # the device has run nothing yet
+    _FakeEvent.run_device(5.0)  # 5 ms between the events: the device's time, not the host's
+    clock.start((True, 0, 0))
+    clock.end((True, 0, 1))  # re-armed: not counted, and records no pair
+    assert list(clock.times) == [] and len(clock.pending) == 2
+    got = bottom_line(clock, {})
+    assert list(clock.times) == [5_000_000, 5_000_000] and not clock.pending
+    assert got["median_us"] == 5000.0 and got["steady_steps"] == 2
+    assert cuda_events([torch.nn.Linear(2, 2)]) is None  # parameters on the CPU: the wall clock
 
 
 class _Metrics(Logger):  # type: ignore[misc]

@@ -67,11 +67,12 @@ def test_every_config_measured_and_compiled_as_expected(
     data, _ = tiny_run
     by = {r["config"]: r for r in data["results"]}
     assert by["eager"]["compiles"] == 0 and by["eager"]["guard_us"] is None
-    for config in ("compile", "off", "safe", "balanced", "aggressive", "turbo", "floor"):
+    for config in ("compile", "off", "safe", "balanced", "aggressive", "turbo", "auto", "floor"):
         assert by[config]["compiles"] >= 1, config
         assert by[config]["guard_us"] is not None, config
     # Only the stance presets enter the stance, and nothing misses while measuring.
-    assert {c for c, r in by.items() if r["stance"]} == {"balanced", "aggressive", "turbo"}
+    steady = {c for c, r in by.items() if r["stance"]}
+    assert steady == {"balanced", "aggressive", "turbo", "auto"}
     assert all(not r["misses"] for r in by.values())
 
 
@@ -81,11 +82,12 @@ def test_floor_is_stale_after_eval_and_presets_are_not(
     data, _ = tiny_run
     by = {r["config"]: r for r in data["results"]}
     assert by["floor"]["matches_eager"] is False
-    for config in ("eager", "compile", "off", "safe", "balanced", "aggressive", "turbo"):
+    for config in ("eager", "compile", "off", "safe", "balanced", "aggressive", "turbo", "auto"):
         assert by[config]["matches_eager"] is True, (config, by[config]["max_abs_diff"])
     # The stance presets left the stance on the training-flag change and recompiled.
     assert by["aggressive"]["eval_check_compiles"] == 1
     assert by["turbo"]["eval_check_compiles"] == 1
+    assert by["auto"]["eval_check_compiles"] == 1
     assert by["floor"]["eval_check_compiles"] == 0
 
 
@@ -137,7 +139,7 @@ def test_check_flag_prints_targets_and_sets_the_exit_status(
     ran = copy.deepcopy(data)
     for r in ran["results"]:  # every target met, or every one missed
         r["ratios"] = {k: (0.0 if met else 9.0) for k in r["ratios"]}
-        if r["config"] == "turbo":
+        if r["config"] in ("turbo", "auto"):
             r["matches_eager"] = met
     ran.pop("wall_s", None)
     monkeypatch.setattr(bench.measure, "run_bench", lambda options: copy.deepcopy(ran))
@@ -262,7 +264,7 @@ def test_user_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (
             ["--configs", "eager,fast"],
             "'fast'",
-            "eager, compile, off, safe, balanced, aggressive, turbo, aot, floor",
+            "eager, compile, off, safe, balanced, aggressive, turbo, auto, aot, floor",
         ),
     ],
 )
@@ -379,7 +381,8 @@ def test_turbo_row_is_run_by_the_engine(tiny_run: tuple[dict[str, Any], str]) ->
     assert "training=False" in miss or "training: True -> False" in miss, miss
     assert engine["phase_after_eval_check"] == "warmup"
     assert "mlp/turbo: run by the engine's phases (steady while measuring" in table
-    assert all("driver" not in r for r in data["results"] if r["config"] != "turbo")
+    engine_rows = ("turbo", "auto")
+    assert all("driver" not in r for r in data["results"] if r["config"] not in engine_rows)
 
 
 def test_ratio_spread_and_per_frame_column(tiny_run: tuple[dict[str, Any], str]) -> None:

@@ -1,4 +1,4 @@
-"""The checks find and never act (``guardtrain/engine/checks.py``): fakes, no compile."""
+"""The checks find and never act (``guardtrain/engine/findings.py``): fakes, no compile."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 from torch import nn
 
 from guardtrain.compile import Miss, MissReason, grads
-from guardtrain.engine import checks
+from guardtrain.engine import findings as checks
 from guardtrain.engine.changes import Action, Change
-from guardtrain.engine.checks import Checks, Finding
+from guardtrain.engine.findings import Checks, Finding
 from guardtrain.fingerprints import module_fingerprint
 
 

@@ -26,7 +26,9 @@ from guardtrain.errors import GuardTrainValueError
 
 AOT = {"backend": "aot_eager"}
 STEPS = 14
-WARMUP = {"warmup_steps": 2, "stable_steps": 1}
+WARMUP = {"warmup_steps": 2, "stable_steps": 1, "measure_lookup": False}
+"""A short warm-up; no lookup window (its batches run the step with full guards too,
+:func:`test_the_lookup_windows_hold_the_steps_saving`)."""
 
 
 class Net(nn.Module):
@@ -215,6 +217,87 @@ def test_a_change_full_guards_refuse_runs_with_full_guards(
     assert o["direct_steps"] >= STEPS - 6, o
 
 
+def _state_by_hand(i: int, model: Net, opt: torch.optim.Optimizer) -> None:
+    if i == 6:  # a moment replaced by hand: zeros, in the transposed layout
+        p = model.body[0].weight
+        opt.state[p]["exp_avg"] = torch.zeros_like(opt.state[p]["exp_avg"].t()).t()
+
+
+def test_a_state_tensor_assigned_by_hand_is_seen() -> None:
+    """A write into ``opt.state[p]`` moves that parameter's state version: the step runs
+    with full guards (Dynamo recompiles for the new strides), as plain compile."""
+    o = compare(change=_state_by_hand)
+    assert o["changes"].get("state", 0) >= 1, o
+
+
+def test_a_global_the_update_reads_changed_between_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A module-level function of ``torch.optim.adam`` that the update calls
+    (``_to_scalar``) replaced mid-run by one that doubles the lr: its namespace's version
+    moves, the step takes full guards and Dynamo recompiles (its guard on the function
+    fails), so the weights follow the new function, as under plain compile and eager."""
+    import torch.optim.adam as adam
+
+    original = adam._to_scalar
+
+    def doubled(x: Any) -> Any:
+        value = original(x)
+        return value * 2 if isinstance(value, float) and value < 0.5 else value
+
+    def change(i: int, model: Net, opt: torch.optim.Optimizer) -> None:
+        if i == 6:
+            monkeypatch.setattr(adam, "_to_scalar", doubled)
+
+    def run(how: str, **kwargs: Any) -> tuple[list[list[torch.Tensor]], dict[str, Any] | None]:
+        monkeypatch.undo()  # each run starts with torch's own function
+        return loop(how, **kwargs)
+
+    unchanged, _ = run("eager")
+    eager, _ = run("eager", change=change)
+    assert not any(torch.equal(a, b) for a, b in zip(eager[-1], unchanged[-1]))
+    plain, _ = run("plain", change=change)
+    got, s = run("aggressive", change=change)
+    assert s is not None
+    assert_same(plain, got, exact=True)
+    assert_same(eager, got, exact=False)
+    (o,) = s["optimizers"]
+    assert o["changes"].get("globals", 0) >= 1, o
+
+
+def test_the_step_is_a_target_of_the_run() -> None:
+    """Installed and put back by ``PROCESS`` (listed while installed), its compiles counted
+    with the targets' (``summary()["compiles"]``, the compile events), and in the lookup
+    window's batches with full guards it runs with full guards too, so the window's
+    lookups hold it."""
+    from guardtrain.engine.process import PROCESS
+
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    tuner = guard_tuner(model, "turbo", compile_kwargs=AOT, compile_optimizer=True, optimizers=opt)
+    g = torch.Generator().manual_seed(1)
+    with tuner:
+        assert any("compiled step of a Adam" in c for c in PROCESS.changed()), PROCESS.changed()
+        for _ in range(STEPS):
+            x = torch.randn(4, 8, generator=g)
+            with tuner.step((x,)):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    assert_restored()
+    s = tuner.summary()
+    steps = [e for e in s["compile_events"] if e["target"] == "Adam.step"]
+    assert steps and s["compiles"] >= len(steps) + 1, s["compile_events"]
+    (o,) = s["optimizers"]
+    # The first step, then the lookup window's batches with full guards (3 by default).
+    assert o["full_guard_steps"] >= 1 + 3, o
+    calls = s["lookup_calls"]
+    # The window with full guards looked the step's frame up once a batch beside the
+    # model's; the direct window looked up neither.
+    assert calls["full_guards"]["lookups"] >= 2 * calls["full_guards"]["steps"], calls
+    assert calls["steady"]["lookups"] == 0, calls
+
+
 def test_gradients_none_on_some_steps_and_clipping() -> None:
     o = compare(side_every=2, clip=True)
     # Each switch between "side has gradients" and "side has none" is a change; both
@@ -250,7 +333,12 @@ def test_resumed_from_a_checkpoint_gives_the_eager_weights(tmp_path: Any) -> Non
             opt.load_state_dict(saved["opt"])
             sched.load_state_dict(saved["sched"])
         tuner = guard_tuner(
-            model, "aggressive", compile_kwargs=AOT, compile_optimizer=True, optimizers=opt
+            model,
+            "aggressive",
+            compile_kwargs=AOT,
+            compile_optimizer=True,
+            optimizers=opt,
+            measure_lookup=False,
         )
         with tuner:
             for _ in part:
@@ -433,13 +521,18 @@ def test_bench_optimizer_step(tmp_path: Any) -> None:
     argv = ["--optimizer-step", "--tiny", "--backend", "aot_eager", "--steps", "3"]
     assert main([*argv, "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert list(data["rows"]) == list(CONFIGS)
-    assert data["rows"]["plain compile"]["ratio"] == 1.0
-    assert all(row["median_us"] > 0 for row in data["rows"].values())
-    (direct,) = data["optimizers"]["guardtrain"]
-    (full,) = data["optimizers"]["guardtrain, full guards"]
-    assert direct["direct_steps"] > 0 and full["direct_steps"] == 0, data["optimizers"]
-    assert full["full_guard_steps"] == 6 + 3 * 1  # warm-up steps, then one per round
+    assert data["clock"] == "cpu"  # one thread: the thread's CPU time decides
+    assert [s["parameters"] for s in data["sizes"]] == [26, 50]  # 2 and 4 blocks
+    for size in data["sizes"]:
+        assert list(size["rows"]) == list(CONFIGS)
+        assert size["rows"]["plain compile"]["ratio"] == 1.0
+        assert all(row["median_us"] > 0 for row in size["rows"].values())
+        assert size["check_us"] > 0 and size["plain_lookup_us"] > 0, size
+        (direct,) = size["optimizers"]["guardtrain"]
+        (full,) = size["optimizers"]["guardtrain, full guards"]
+        assert direct["direct_steps"] > 0 and full["direct_steps"] == 0, size["optimizers"]
+        # Warm-up steps, one per round, and the check's and lookup's own gradients.
+        assert full["full_guard_steps"] == 6 + 3 * 1, full
     assert_restored()
 
 

@@ -10,7 +10,7 @@ import torch
 from helpers import Net, assert_restored
 from torch import nn
 
-from guardtrain.engine import summary
+from guardtrain.engine import metrics
 from guardtrain.engine.agreement import ReduceAgreement, SingleProcess, TorchDistributed
 from guardtrain.engine.config import make_config
 from guardtrain.engine.engine import GuardEngine
@@ -46,7 +46,7 @@ def test_agreements() -> None:
 
 
 def test_report() -> None:
-    assert summary.metrics("steady", 3, 1) == {
+    assert metrics.metrics("steady", 3, 1) == {
         "guard/phase": 2.0,
         "guard/compiles": 3.0,
         "guard/rearms": 1.0,

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from guardtrain.compile import Miss, MissReason, grads
-from guardtrain.engine import checks as checks_module
+from guardtrain.engine import findings as checks_module
 from guardtrain.engine import levers as _levers
 from guardtrain.engine.agreement import SingleProcess
-from guardtrain.engine.batches import BatchChecks
+from guardtrain.engine.batch_checks import BatchChecks
 from guardtrain.engine.changes import Action, Change
-from guardtrain.engine.checks import Checks, Finding
 from guardtrain.engine.config import make_config
+from guardtrain.engine.findings import Checks, Finding
 from guardtrain.engine.host import Host
 from guardtrain.engine.phases import PhaseMachine
 from guardtrain.engine.process import PROCESS
@@ -35,6 +35,7 @@ class FakeTarget:
         self.code = types.SimpleNamespace(shared=False, members=[self], pattern=grads.pattern(()))
         self.reference = None
         self.handed_over: str | None = None
+        self.direct_allowed = False
 
     def set_under_stance(self, on: bool, stances: Any, keep: bool = False) -> None:
         self.done.append(("steady", on))

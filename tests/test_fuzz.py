@@ -271,7 +271,7 @@ def test_the_harness_catches_a_stale_graph(monkeypatch: pytest.MonkeyPatch) -> N
     (Dynamo does not enforce hook guards by default, in any preset.)"""
     from fuzz_support import Divergence
 
-    from guardtrain.engine.batches import BatchChecks
+    from guardtrain.engine.batch_checks import BatchChecks
     from guardtrain.engine.repairs import Repairs
 
     monkeypatch.setattr(BatchChecks, "boundary", lambda self, loop: None)

@@ -232,3 +232,82 @@ def test_repeated_blocks_breaking_inside_their_forward_match_eager_from_the_firs
         assert torch.equal(a, b), f"loss {i}"
     for (key, a), b in zip(eager.state_dict().items(), guarded.state_dict().values()):
         assert torch.equal(a, b), key
+
+
+class BreaksInTraining(torch.nn.Module):
+    """Breaks the graph only where grad mode is on: its ``no_grad`` calls (rollouts,
+    ``generate()``) compile whole, its training calls break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if torch.is_grad_enabled():
+            torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def _rollouts_and_updates(preset: str | None, steps: int = 12) -> tuple[list[torch.Tensor], Any]:
+    """Each step: three ``no_grad`` calls, then an update from two calls in grad mode."""
+    import contextlib
+
+    from helpers import guard_tuner
+
+    torch.manual_seed(0)
+    net = BreaksInTraining()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    xs = torch.randn(steps, 4, 8, generator=torch.Generator().manual_seed(1))
+    tuner = None
+    if preset is not None:
+        tuner = guard_tuner(
+            net,
+            preset,
+            warmup_steps=2,
+            stable_steps=1,
+            measure_lookup=False,
+            compile_kwargs={"backend": "aot_eager"},
+        )
+    losses = []
+    with tuner or contextlib.nullcontext():
+        for i in range(steps):
+            with tuner.step((xs[i],)) if tuner else contextlib.nullcontext():
+                with torch.no_grad():
+                    target = [net(xs[i]) for _ in range(3)][0]
+                loss = (net(xs[i]) - target).pow(2).mean() + net(xs[i]).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.detach())
+    return losses, tuner
+
+
+@pytest.mark.parametrize("preset", ["turbo", "auto"])
+def test_a_target_breaking_in_training_alone_serves_its_other_calls_directly(preset: str) -> None:
+    """With direct dispatch the default target is kept whole: the calls whose entry runs
+    whole run directly, those whose entry breaks with full guards, never under the stance
+    (H4); every loss equals eager's."""
+    eager, _ = _rollouts_and_updates(None)
+    with pytest.warns(UserWarning, match="its calls whose entry breaks run with full guards"):
+        losses, tuner = _rollouts_and_updates(preset)
+    for i, (a, b) in enumerate(zip(eager, losses)):
+        assert torch.equal(a, b), f"loss {i}"
+    s = tuner.summary()
+    assert s["targets"] == ["<model>"] and s["graph_breaks"] == [], s["graph_breaks"]
+    steady = s["steady_steps"]
+    assert steady > 0 and s["stance_blocked"] is None
+    assert s["direct_dispatch"]["broken_targets"] == ["<model>"]
+    assert s["direct_dispatch"]["calls"] == 3 * steady
+    assert s["full_guard_calls"] == 2 * steady
+
+
+def test_without_direct_dispatch_a_target_breaking_in_training_is_split() -> None:
+    eager, _ = _rollouts_and_updates(None)
+    with pytest.warns(UserWarning, match="compiling its parts instead"):
+        losses, tuner = _rollouts_and_updates("aggressive")
+    for i, (a, b) in enumerate(zip(eager, losses)):
+        assert torch.equal(a, b), f"loss {i}"
+    s = tuner.summary()
+    assert s["targets"] == ["a", "b"] and s["steady_steps"] > 0

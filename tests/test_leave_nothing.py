@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils import hooks as torch_hooks
 
 from guardtrain import GuardTuner
-from guardtrain.engine import runs
+from guardtrain.engine import holders as runs
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError
 
 # -- what guardtrain may change, field by field ------------------------------------------------

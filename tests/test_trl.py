@@ -10,32 +10,37 @@ no dropout), under ``aggressive`` and ``turbo``. Each is asked for:
     rewards; the timings left out), the weights after training, and for GRPO every
     completion, token for token (the reward function records them);
 (b) **steady**: after warm-up at least :data:`STEADY` of the model calls ran under the
-    stance (:func:`~hf_helpers.steady_share`), and only ``generate()``'s calls ran with
-    full guards: each carries a transformers ``Cache``, an object no argument key
-    describes, so it runs as plain compile runs it (``summary()["full_guard_calls"]``).
-    Without the callback in the ``Trainer`` both fail (nothing ran under the stance).
+    stance (:func:`~hf_helpers.steady_share`), ``generate()``'s decode calls among them
+    (H53, ``summary()["decode_calls"]``); with turbo only the calls whose entry breaks
+    the graph (a mixed target's training passes) ran with full guards
+    (``summary()["full_guard_calls"]``). Without the callback in the ``Trainer`` both
+    fail (nothing ran under the stance).
 
 What TRL does here (trl 1.16, transformers 5.24, peft 0.21; docs/hf.md, "TRL"):
 
 * TRL's configs default to ``bf16=True`` (autocast on the CPU too) and
   ``gradient_checkpointing=True``; both stay, but for GRPO (below).
-* TRL patches the model's ``forward`` with a fused LM head (``fused_lm_head=True``): the
-  training passes use ``lm_head``'s weight, never call the module, so the default target
-  ``lm_head`` runs uncompiled in SFT and DPO (one warning). ``generate()`` calls it.
+* The default target is the whole ``LlamaForCausalLM``. TRL patches its ``forward`` with
+  a fused LM head (``fused_lm_head=True``) that breaks the graph, so in SFT and DPO it is
+  split into the base model and ``lm_head`` (H20); the training passes use ``lm_head``'s
+  weight, never call the module, so ``lm_head`` runs uncompiled (one warning).
 * ``DPOTrainer`` with ``peft_config`` runs two calls a step: the policy pass, then the
   reference pass inside ``disable_adapter()`` (``requires_grad`` flipped off and back
   on, H46), with gradient checkpointing switched off and back on around it. Each switch
-  on adds one more forward hook on ``embed_tokens`` (H47). That hook breaks the base
-  model's graph (``requires_grad_()`` on the frozen embeddings' output), so the base model
-  is split into its parts (H20), and ``embed_tokens`` is handed over to full guards after
-  3 rebuilds within 8 calls (H51); the layer and the norm stay steady.
+  on adds one more forward hook on ``embed_tokens`` (H47), which rebuilds the base model;
+  after 3 rebuilds within 8 calls it is split into its parts and ``embed_tokens``, whose
+  hooks keep changing, is handed over to full guards alone (H51); the layer and the norm
+  stay steady.
 * ``GRPOTrainer`` generates its completions with ``model.generate()`` in training mode
   (a ``GenerationConfig`` with ``disable_compile=True``): each step is 8 calls of the
   model (prefill and 7 decode steps) and one training pass. ``gradient_checkpointing``
   is off here: TRL switches it off and on twice a step (two more hooks on
-  ``embed_tokens``), the base model is rebuilt in every step, and as a step is 9 calls
-  only the run's cap of 8 rebuilds hands it over (H51), after 8 steps of compiles
-  (:func:`test_grpo_with_gradient_checkpointing`, slow). With a peft adapter,
+  ``embed_tokens``), the model is rebuilt in every step, and as a step is 9 calls only
+  the run's cap of 8 rebuilds splits it, handing over the base model that holds the
+  hooks (H51), after 8 steps of compiles (:func:`test_grpo_with_gradient_checkpointing`,
+  slow). The training pass breaks at TRL's fused head: with turbo the model is kept
+  whole, its decode calls run directly and its training pass with full guards (mixed);
+  with aggressive it is split (H20). With a peft adapter,
   ``generate()`` calls the base model without the peft model's ``forward``; with
   ``beta > 0`` a reference pass follows inside ``disable_adapter()``. (Without peft, TRL
   loads its reference model by name from the Hub, which these tests cannot reach.)
@@ -72,6 +77,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:guardtrain. target.s. .'.*lm_head'. ran uncompiled"),
     pytest.mark.filterwarnings("ignore:guardtrain. .* breaks the graph"),
     pytest.mark.filterwarnings("ignore:guardtrain. .* runs with full guards for the rest"),
+    pytest.mark.filterwarnings("ignore:guardtrain. .* was rebuilt .* compiling its parts"),
 ]
 
 PRESETS = ["aggressive", "turbo"]
@@ -196,14 +202,16 @@ def assert_eager_equal(eager: dict[str, Any], got: dict[str, Any], steps: int) -
     assert not differ, f"weights differ from eager: {differ}"
 
 
-def assert_steady(got: dict[str, Any], served: int = 0) -> None:
-    """(b): after warm-up most model calls under the stance (turbo: run directly), none with
-    full guards under it, and at least ``served`` of ``generate()``'s calls served."""
+def assert_steady(got: dict[str, Any], served: int = 0, full_guards: int = 0) -> None:
+    """(b): after warm-up most model calls under the stance (turbo: run directly), at most
+    ``full_guards`` with full guards under it (a target whose training forward breaks the
+    graph, kept whole under turbo: those calls), and at least ``served`` of ``generate()``'s
+    calls served."""
     s = got["summary"]
     why = (got["steady_share"], s["steady_steps"], [r["reason"] for r in s["rearms"]])
     assert s["phase"] == "steady", why
     assert got["steady_share"] >= STEADY, why
-    assert s["full_guard_calls"] == 0, (s["full_guard_calls"], why)
+    assert s["full_guard_calls"] <= full_guards, (s["full_guard_calls"], why)
     decode = s["decode_calls"]
     assert decode["served"] + decode["full_guards"] == got["generate_calls"], decode
     assert decode["served"] >= served, (decode, why)
@@ -246,7 +254,7 @@ def test_sft(tmp_path: Path, sft_eager: dict[str, Any], preset: str) -> None:
 
 # -- DPO with a peft adapter -------------------------------------------------------------------
 
-DPO_STEPS = 8
+DPO_STEPS = 20
 
 
 LORA = peft.LoraConfig(
@@ -285,17 +293,21 @@ def test_dpo_with_a_peft_adapter(tmp_path: Path, dpo_eager: dict[str, Any], pres
     assert got["hooks"] == eager["hooks"] == DPO_STEPS + 2
     s = got["summary"]
     flips = s["caught_changes"].get("requires_grad", {}).get("count", 0)
-    assert flips >= DPO_STEPS, s["caught_changes"]  # disable_adapter() every step (H46)
-    (handed,) = s["full_guard_targets"]  # H51: embed_tokens alone, for its hooks
-    assert handed["target"].endswith("model.embed_tokens"), handed
-    assert "forward hook" in handed["change"], handed
+    # disable_adapter() every step (H46), caught in each step but the first, which the
+    # split of the whole model at the hook's break re-arms (H20).
+    assert flips >= DPO_STEPS - 1, s["caught_changes"]
+    # H51 confined: the base model, rebuilt for embed_tokens's hooks, is split into its
+    # parts and embed_tokens alone is handed over; the layer and the norm stay steady.
+    (handed,) = s["full_guard_targets"]
+    assert handed["target"] == "base_model.model.model.embed_tokens", handed
+    assert "forward hook was added to 'embed_tokens'" in handed["change"], handed
     assert got["generate_calls"] == 0
     assert_steady(got)
 
 
 # -- GRPO, generating with the model -----------------------------------------------------------
 
-GRPO_STEPS = 4
+GRPO_STEPS = 6
 GRPO_CALLS = COMPLETION + 1
 """Calls of the model a GRPO step: ``generate()``'s, then the training pass."""
 
@@ -374,9 +386,18 @@ def test_grpo_generating_with_the_model(
     # The rewards vary within a group, so the policy moves: a real training run.
     assert any(h.get("reward_std", 0) > 0 for h in got["logs"]), got["logs"]
     assert got["generate_calls"] == eager["generate_calls"] == GRPO_STEPS * COMPLETION
-    # generate()'s calls after the 2 steps of warm-up are served (H53), but where a step's
-    # prompts bring a new padded length (a prefill shape compiled once more).
-    assert_steady(got, served=COMPLETION)
+    # generate()'s calls after the warm-up are served (H53), but where a step's prompts
+    # bring a new padded length (a prefill shape compiled once more). The training forward
+    # breaks the graph (TRL's chunked log-probabilities): `aggressive` splits the model into
+    # its base model and head, `turbo` keeps it whole and runs those calls with full guards.
+    s = got["summary"]
+    if preset == "turbo":
+        assert s["targets"] == ["<model>"] and s["graph_breaks"] == [], s
+        assert s["direct_dispatch"]["broken_targets"] == ["<model>"]
+        assert_steady(got, served=COMPLETION, full_guards=GRPO_STEPS)
+    else:
+        assert [b["target"] for b in s["graph_breaks"]] == ["<model>"], s["graph_breaks"]
+        assert_steady(got, served=COMPLETION)
 
 
 GRPO_REFERENCE_STEPS = 8
@@ -406,7 +427,10 @@ def test_grpo_with_a_peft_adapter_and_a_reference_pass(
     s = got["summary"]
     flips = s["caught_changes"].get("requires_grad", {}).get("count", 0)
     assert flips >= steps, s["caught_changes"]  # disable_adapter() every step (H46)
-    assert_steady(got, served=(steps - 4) * COMPLETION)
+    # turbo keeps the model whole (mixed): its training and reference passes, whose
+    # entries break at TRL's fused head, run with full guards; the decode calls directly.
+    full = 2 * steps if preset == "turbo" else 0
+    assert_steady(got, served=(steps - 4) * COMPLETION, full_guards=full)
 
 
 @pytest.mark.slow  # 1.5 to 5 minutes here: a rebuild and Dynamo's recompiles in every step

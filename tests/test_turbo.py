@@ -435,7 +435,7 @@ def test_refused_with_guard_collectives_and_fsdp() -> None:
     assert single.summary()["direct_dispatch"]["on"]
 
 
-def test_a_target_with_graph_breaks_is_refused_and_named() -> None:
+def test_a_target_whose_every_entry_breaks_runs_with_full_guards_and_is_named() -> None:
     class Breaking(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -453,14 +453,16 @@ def test_a_target_with_graph_breaks_is_refused_and_named() -> None:
         pytest.warns(UserWarning, match="graph breaks"),
         guard_tuner(model, "turbo", targets=[""], warmup_steps=1, stable_steps=1) as tuner,
     ):
-        for _ in range(4):
+        for _ in range(8):
             with tuner.step((x,)):
                 out = model(x)
-        s = tuner.summary()["direct_dispatch"]
+        s = tuner.summary()
     assert torch.equal(out, eager(x))
-    assert s["calls"] == 0
-    assert [t["target"] for t in s["refused_targets"]] == ["<model>"]
-    assert "graph breaks" in s["refused_targets"][0]["why"]
+    assert s["steady_steps"] > 0 and s["full_guard_calls"] == s["steady_steps"]
+    assert s["direct_dispatch"]["calls"] == 0
+    assert s["direct_dispatch"]["broken_targets"] == ["<model>"]
+    assert s["direct_dispatch"]["refused_targets"] == []
+    assert "<model>: graph breaks; a call whose entry breaks" in tuner.format_summary()
 
 
 def test_turbo_after_a_second_fit_keeps_counting() -> None:

@@ -212,7 +212,7 @@ def test_command_line_json_and_check(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert f"rl-alternate {v['config']}: {v['ratio']:.3f}" in printed
         assert verdict in printed
     assert "rl-alternate" in printed and "ms/step" in printed
-    assert "timed by the thread's CPU time" in printed
+    assert "timed by the calling thread's CPU time" in printed
 
 
 @pytest.mark.parametrize(

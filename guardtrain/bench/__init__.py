@@ -73,10 +73,10 @@ the window; within a repeat the configurations take turns every
 
 The models run with one intra-op thread by default (``--threads``): on a
 machine with 2 shared cores, two OpenMP threads spin against other processes
-(a 32x64 @ 64x64 matmul took 22 ms with 2 threads, 34 µs with 1).
+(a small matmul is then many times slower with 2 threads than with 1).
 
 The output shows results only; ``--check`` also checks the project's
-performance targets (:mod:`guardtrain.bench.checks`; among them ``turbo``'s ``no_grad``
+performance targets (:mod:`guardtrain.bench.goals`; among them ``turbo``'s ``no_grad``
 call at or below ``aot``'s on ``transformer`` and ``regional``) and exits with status 1
 when one is missed.
 
@@ -94,7 +94,7 @@ Modules: :mod:`~guardtrain.bench.models` (configurations and models),
 :mod:`~guardtrain.bench.runner` (one configuration), :mod:`~guardtrain.bench.measure`
 (the interleaved run), :mod:`~guardtrain.bench.report` (table, JSON, plot),
 :mod:`~guardtrain.bench.anchor` (the ``aot`` anchor),
-:mod:`~guardtrain.bench.checks` (targets), :mod:`~guardtrain.bench.cost`
+:mod:`~guardtrain.bench.goals` (targets), :mod:`~guardtrain.bench.cost`
 (``--callback-cost``), :mod:`~guardtrain.bench.workloads` (``--workload``),
 :mod:`~guardtrain.bench.command` (the command line).
 """
@@ -102,15 +102,15 @@ Modules: :mod:`~guardtrain.bench.models` (configurations and models),
 from __future__ import annotations
 
 from guardtrain.bench.anchor import ANCHOR, AotRunner
-from guardtrain.bench.checks import (
+from guardtrain.bench.command import cli, main
+from guardtrain.bench.cost import callback_cost, format_callback_cost
+from guardtrain.bench.goals import (
     MODEL_TARGETS,
     TARGETS,
     check_callback_cost,
     check_targets,
     format_checks,
 )
-from guardtrain.bench.command import cli, main
-from guardtrain.bench.cost import callback_cost, format_callback_cost
 from guardtrain.bench.measure import (
     CALL_CHUNK,
     METRICS,

@@ -175,10 +175,10 @@ class AotRunner(Runner):
             self._install(True)
         super().train_step()
 
-    def timed(self, fn: Callable[[], Any], n: int) -> list[float]:
+    def timed(self, fn: Callable[[], Any], n: int) -> tuple[list[float], list[float]]:
         """Nothing to time where the anchor cannot serve the call."""
         if self.unavailable or (fn == self.train_step and self.step_unavailable):
-            return []
+            return [], []
         return super().timed(fn, n)
 
     def warm_up(self, max_rounds: int = 6) -> None:

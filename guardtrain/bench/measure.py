@@ -22,6 +22,7 @@ from guardtrain.bench.models import (
     parse_configs,
 )
 from guardtrain.bench.runner import EngineRunner, Runner
+from guardtrain.bench.timing import clock_of
 from guardtrain.compile import resolve_targets
 from guardtrain.engine.process import stance_is_unsafe
 from guardtrain.errors import GuardTrainValueError
@@ -184,6 +185,8 @@ class _Shared:
     options: BenchOptions
     configs: list[str]
     progress: Progress
+    clock: str = "wall"
+    """The clock whose times decide (:func:`~guardtrain.bench.timing.clock_of`)."""
     window: LookupWindow = dataclasses.field(default_factory=LookupWindow)
     window_costs: list[float] = dataclasses.field(default_factory=list)
 
@@ -211,6 +214,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     machine = _machine()
     per_model = len(configs) * (2 + options.repeats)
     shared = _Shared(options, configs, Progress(per_model * len(models), options.progress))
+    shared.clock = clock_of(options.threads)
     results: list[dict[str, Any]] = []
     try:
         for model in models:
@@ -222,6 +226,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     out: dict[str, Any] = {
         "torch": torch.__version__,
+        "clock": shared.clock,
         "machine": machine,
         "options": {
             "models": options.models,
@@ -290,11 +295,11 @@ def _calibrate(first: Runner | None, options: BenchOptions) -> _Windows:
     """Calls and steps per window: as given, else enough for ``options.window_s``."""
     calls, steps = options.calls, options.steps
     if calls is None:
-        times = first.timed(first.forward_no_grad, 5) if first is not None else []
+        times = first.timed(first.forward_no_grad, 5)[1] if first is not None else []
         per_call = statistics.median(times) / 1e6 if times else options.window_s
         calls = max(20, min(400, round(options.window_s / max(per_call, 1e-6))))
     if steps is None and options.train_step:
-        times = first.timed(first.train_step, 3) if first is not None else []
+        times = first.timed(first.train_step, 3)[1] if first is not None else []
         per_step = statistics.median(times) / 1e6 if times else options.window_s
         steps = max(6, min(200, round(options.window_s / max(per_step, 1e-6))))
     if not options.train_step or steps is None:
@@ -325,22 +330,28 @@ def _repeat(
     ):
         times = _timed_in_turns(runners, order, n, chunk, work)
         for config in configs:
-            t = times[config]
+            by = times[config]
+            t = by[shared.clock]
             row[config][f"{metric}_us"] = statistics.median(t) if t else None
             row[config][f"{metric}_mean_us"] = sum(t) / len(t) if t else None
+            for clock in ("cpu", "wall"):
+                t = by[clock]
+                row[config][f"{metric}_{clock}_us"] = statistics.median(t) if t else None
     return row
 
 
 def _timed_in_turns(
     runners: dict[str, Runner], order: list[str], n: int, chunk: int, work: str
-) -> dict[str, list[float]]:
-    """``n`` timed calls of ``work`` per configuration, round-robin in chunks of ``chunk``:
-    every configuration sees the same load."""
-    times: dict[str, list[float]] = {c: [] for c in order}
+) -> dict[str, dict[str, list[float]]]:
+    """``n`` timed calls of ``work`` per configuration, round-robin in chunks of ``chunk``
+    (every configuration sees the same load), by each clock."""
+    times: dict[str, dict[str, list[float]]] = {c: {"cpu": [], "wall": []} for c in order}
     for _ in range(-(-n // chunk) if n > 0 else 0):  # rounds of a chunk each
         for config in order:
             runner = runners[config]
-            times[config] += runner.timed(getattr(runner, work), chunk)
+            cpu, wall = runner.timed(getattr(runner, work), chunk)
+            times[config]["cpu"] += cpu
+            times[config]["wall"] += wall
     return times
 
 

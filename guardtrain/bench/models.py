@@ -38,13 +38,14 @@ CONFIGS = (
     "balanced",
     "aggressive",
     "turbo",
+    "auto",
     "aot",
     "floor",
 )
 """Every configuration, in table order."""
 PRESET_CONFIGS = ("off", "safe", "balanced", "aggressive", "turbo")
 """The configurations that are presets, run through the engine's levers."""
-ENGINE_CONFIGS = ("turbo",)
+ENGINE_CONFIGS = ("turbo", "auto")
 """Presets run by a whole engine with its phases (warm-up, entry, the steady state), not
 only with its levers: what ``turbo`` adds happens when the engine enters the steady state."""
 MODELS = ("mlp", "transformer", "regional")

@@ -1,8 +1,9 @@
 """``guardtrain bench --optimizer-step``: the optimizer step side by side (H49).
 
-Adam on the bench's transformer (12 blocks, 146 parameters; ``tiny``: 2 blocks), four
-configurations interleaved in one process, the order rotating every round, each with its
-own model and optimizer from the same seed:
+Adam on the bench's transformer at two sizes, 12 blocks (146 parameters) and 84 blocks
+(1,010 parameters; ``tiny``: 2 and 4 blocks). At each size four configurations run
+interleaved in one process, the order rotating every round, each with its own model and
+optimizer from the same seed:
 
 * ``eager foreach``: ``Adam(foreach=True)``, uncompiled (its fastest form on the CPU);
 * ``plain compile``: ``torch.compile`` of a function that calls ``opt.step()``
@@ -14,8 +15,13 @@ own model and optimizer from the same seed:
 
 Each step: fresh gradients from one forward and backward (not timed), then the timed
 ``opt.step()``, ``zero_grad`` and, with ``schedule``, a ``LambdaLR`` step that moves the
-float lr every step. Reported: the median µs per step with quartiles, the ratio of each
-median to plain compile's, and the compiled steps' ``summary()["optimizers"]``.
+float lr every step. Timed by the calling thread's CPU time and the wall clock
+(:mod:`~guardtrain.bench.timing`; at one thread the CPU time decides). Reported per
+size: the median µs per step with quartiles and each ratio to plain compile; then what
+``--check`` holds: the direct path's own check (``CompiledStep.decide``, timed on its own in
+the steady state, median of repeats) against plain compile's cache lookup per step
+(Dynamo's "TorchDynamo Cache Lookup" events of the recipe's frames, profiled), at most
+:data:`CHECK_SHARE`; and the compiled steps' ``summary()["optimizers"]``.
 """
 
 from __future__ import annotations
@@ -27,11 +33,18 @@ from typing import Any, Callable
 import torch
 
 from guardtrain.bench.models import Transformer
+from guardtrain.bench.timing import clock_of, describe, reader
 from guardtrain.compile.optimizer import installed
+from guardtrain.profiling import LookupWindow
 
-__all__ = ["CONFIGS", "format_optimizer_step", "optimizer_step"]
+__all__ = ["CHECK_SHARE", "CONFIGS", "DEPTHS", "format_optimizer_step", "optimizer_step"]
 
 CONFIGS = ("eager foreach", "plain compile", "guardtrain", "guardtrain, full guards")
+DEPTHS = (12, 84)
+"""The transformer's blocks at the two sizes: 146 and 1,010 parameters."""
+TINY_DEPTHS = (2, 4)
+CHECK_SHARE = 0.10
+"""``--check``: the direct path's check per step, as a share of plain compile's lookup."""
 
 
 def _make(name: str, compile_kwargs: dict[str, Any], depth: int, schedule: bool) -> dict[str, Any]:
@@ -68,15 +81,114 @@ def _make(name: str, compile_kwargs: dict[str, Any], depth: int, schedule: bool)
     return {"model": model, "opt": opt, "sched": sched, "step": step, "tuner": tuner}
 
 
-def _timed(run: dict[str, Any], x: torch.Tensor) -> float:
+def _step(run: dict[str, Any], x: torch.Tensor, clock: Callable[[], int]) -> float:
+    """One step: gradients (not timed), then the timed step; µs."""
     run["model"](x).square().mean().backward()
-    started = time.perf_counter_ns()
+    started = clock()
     run["step"]()
-    took = (time.perf_counter_ns() - started) / 1e3
+    took = (clock() - started) / 1e3
     run["opt"].zero_grad(set_to_none=True)
     if run["sched"] is not None:
         run["sched"].step()
     return took
+
+
+def _check_us(run: dict[str, Any], x: torch.Tensor, clock: Callable[[], int]) -> float | None:
+    """The direct path's check on its own, in the steady state (gradients fresh, the
+    entry harvested), as a step runs it (``CompiledStep.decide``, under ``no_grad``, after
+    the schedule's step where there is one): median µs of 50."""
+    compiled = installed(run["opt"])
+    run["model"](x).square().mean().backward()
+    check = None if compiled is None else compiled.check
+    if compiled is None or check is None:
+        run["opt"].zero_grad(set_to_none=True)
+        return None
+    times = []
+    with torch.no_grad():
+        for _ in range(50):
+            if run["sched"] is not None:
+                run["sched"].step()  # a new lr, as before every step
+            started = clock()
+            change, _ = compiled.decide(check)
+            times.append((clock() - started) / 1e3)
+            if change is not None:
+                raise RuntimeError(f"the direct path's check found a change: {change}")
+    run["opt"].zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def _lookup_us(run: dict[str, Any], x: torch.Tensor, steps: int = 5) -> float | None:
+    """Plain compile's cache lookup per step: the profiled "TorchDynamo Cache Lookup"
+    events of its frames (None when another profiler runs)."""
+    window = LookupWindow()
+    if not window.start():
+        return None
+    for _ in range(steps):
+        _step(run, x, time.perf_counter_ns)
+    stats = window.stop(calls=steps)
+    return None if stats is None else stats.guard_us_per_call
+
+
+def _size(
+    depth: int, kwargs: dict[str, Any], steps: int, warmup: int, schedule: bool, clock: str
+) -> dict[str, Any]:
+    """The four configurations at one size, interleaved; then the check against the lookup."""
+    x = torch.randn(4, 8, 16)
+    runs = {name: _make(name, kwargs, depth, schedule) for name in CONFIGS}
+    read = reader(clock)
+    try:
+        times = _interleaved(runs, x, read, steps, warmup)
+        checks = [_check_us(runs["guardtrain"], x, read) for _ in range(5)]
+        lookups = [_lookup_us(runs["plain compile"], x) for _ in range(3)]
+    finally:
+        summaries = _close(runs)
+    check = statistics.median([c for c in checks if c is not None] or [float("nan")])
+    lookup = statistics.median([v for v in lookups if v is not None] or [float("nan")])
+    return {
+        "parameters": sum(1 for _ in runs[CONFIGS[0]]["model"].parameters()),
+        "rows": _rows(times),
+        "check_us": check,
+        "plain_lookup_us": lookup,
+        "check_share": check / lookup if lookup == lookup and lookup else None,
+        "optimizers": summaries,
+    }
+
+
+def _interleaved(
+    runs: dict[str, dict[str, Any]], x: torch.Tensor, read: Any, steps: int, warmup: int
+) -> dict[str, list[float]]:
+    """Each configuration's step times, the order rotating by one every round."""
+    for run in runs.values():
+        for _ in range(warmup):
+            _step(run, x, read)
+    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    for r in range(steps):
+        for k in range(len(CONFIGS)):
+            name = CONFIGS[(r + k) % len(CONFIGS)]
+            times[name].append(_step(runs[name], x, read))
+    return times
+
+
+def _close(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each tuner's optimizer summary, after which it is closed."""
+    summaries = {}
+    for name, run in runs.items():
+        if run["tuner"] is not None:
+            summaries[name] = run["tuner"].summary()["optimizers"]
+            run["tuner"].__exit__(None, None, None)
+    return summaries
+
+
+def _rows(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Each configuration's median and quartiles, and its ratio to plain compile's median."""
+    plain = statistics.median(times["plain compile"])
+    rows = {}
+    for name in CONFIGS:
+        ts = sorted(times[name])
+        q = len(ts) // 4
+        med = statistics.median(ts)
+        rows[name] = {"median_us": med, "q1_us": ts[q], "q3_us": ts[3 * q], "ratio": med / plain}
+    return rows
 
 
 def optimizer_step(
@@ -85,62 +197,55 @@ def optimizer_step(
     warmup: int = 6,
     schedule: bool = True,
     tiny: bool = False,
+    threads: int | None = 1,
 ) -> dict[str, Any]:
-    """Measure the four configurations; the results as a plain dict."""
+    """Measure the four configurations at each size; the results as a plain dict."""
+    clock = clock_of(threads)
     kwargs = {"backend": backend}
-    x = torch.randn(4, 8, 16)
-    runs = {name: _make(name, kwargs, 2 if tiny else 12, schedule) for name in CONFIGS}
-    try:
-        for run in runs.values():
-            for _ in range(warmup):
-                _timed(run, x)
-        times: dict[str, list[float]] = {name: [] for name in CONFIGS}
-        for r in range(steps):
-            for k in range(len(CONFIGS)):
-                name = CONFIGS[(r + k) % len(CONFIGS)]
-                times[name].append(_timed(runs[name], x))
-    finally:
-        summaries = {}
-        for name, run in runs.items():
-            if run["tuner"] is not None:
-                summaries[name] = run["tuner"].summary()["optimizers"]
-                run["tuner"].__exit__(None, None, None)
-    plain = statistics.median(times["plain compile"])
-    rows = {}
-    for name in CONFIGS:
-        ts = sorted(times[name])
-        q = len(ts) // 4
-        med = statistics.median(ts)
-        rows[name] = {"median_us": med, "q1_us": ts[q], "q3_us": ts[3 * q], "ratio": med / plain}
+    sizes = [
+        _size(depth, kwargs, steps, warmup, schedule, clock)
+        for depth in (TINY_DEPTHS if tiny else DEPTHS)
+    ]
     return {
         "torch": torch.__version__,
         "backend": backend,
-        "parameters": sum(1 for _ in runs[CONFIGS[0]]["model"].parameters()),
+        "clock": clock,
         "schedule": "LambdaLR on a float lr" if schedule else "constant lr",
         "steps": steps,
-        "rows": rows,
-        "optimizers": summaries,
+        "sizes": sizes,
     }
 
 
 def format_optimizer_step(data: dict[str, Any]) -> str:
-    """The results as a Markdown table, with the compiled steps' summaries under it."""
+    """The results as a Markdown table per size, each with its check line and the compiled
+    steps' summaries."""
     lines = [
-        f"torch {data['torch']}, {data['backend']}, Adam on {data['parameters']} parameters, "
-        f"{data['schedule']}, {data['steps']} steps each, µs per step",
-        "",
-        "| step | median | quartiles | / plain compile |",
-        "|---|---:|---|---:|",
+        f"torch {data['torch']}, {data['backend']}, Adam, {data['schedule']}, "
+        f"{data['steps']} steps each, µs per step by {describe(data['clock'])}",
     ]
-    for name, row in data["rows"].items():
-        lines.append(
-            f"| {name} | {row['median_us']:.0f} | {row['q1_us']:.0f}-{row['q3_us']:.0f} "
-            f"| {row['ratio']:.2f} |"
-        )
-    for name, summary in data["optimizers"].items():
-        for o in summary:
+    for size in data["sizes"]:
+        lines += [
+            "",
+            f"{size['parameters']} parameters:",
+            "",
+            "| step | median | quartiles | / plain compile |",
+            "|---|---:|---|---:|",
+        ]
+        for name, row in size["rows"].items():
             lines.append(
-                f"{name}: {o['direct_steps']} steps direct, {o['full_guard_steps']} with "
-                f"full guards, {o['compiles']} compiles"
+                f"| {name} | {row['median_us']:.0f} | {row['q1_us']:.0f}-{row['q3_us']:.0f} "
+                f"| {row['ratio']:.2f} |"
             )
+        share = size["check_share"]
+        lines.append(
+            f"direct path's check {size['check_us']:.1f} µs a step; plain compile's lookup "
+            f"{size['plain_lookup_us']:.0f} µs a step"
+            + ("" if share is None else f"; share {share:.3f}")
+        )
+        for name, summary in size["optimizers"].items():
+            for o in summary:
+                lines.append(
+                    f"{name}: {o['direct_steps']} steps direct, {o['full_guard_steps']} with "
+                    f"full guards, {o['compiles']} compiles"
+                )
     return "\n".join(lines)

@@ -1,11 +1,12 @@
 """The bench's results as a terminal table, JSON and a PNG chart. Results only: the
-targets are checked by :mod:`guardtrain.bench.checks` (``--check``)."""
+targets are checked by :mod:`guardtrain.bench.goals` (``--check``)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from guardtrain.bench.timing import describe
 from guardtrain.errors import GuardTrainValueError
 
 __all__ = ["format_table", "plot", "require_matplotlib", "write_json"]
@@ -119,7 +120,8 @@ def _notes(data: dict[str, Any]) -> list[str]:
     notes = [
         f"torch {data['torch']}, backend {opts.get('backend')}, {opts.get('repeats')} repeats, "
         f"{machine.get('torch_threads')} thread(s), load "
-        f"{machine.get('loadavg_start')} -> {machine.get('loadavg_end')}",
+        f"{machine.get('loadavg_start')} -> {machine.get('loadavg_end')}; call and step "
+        f"timed by {describe(data.get('clock', 'wall'))} (the wall clock beside it in the JSON)",
         "µs: median over repeats, ± half the range in % of the median; ratios: median of "
         "per-repeat ratios, [min-max] over the repeats; guard/pregraph: per model call (all "
         "compiled frames); call/step: median call of each window; call-floor µs/frame: "

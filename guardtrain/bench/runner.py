@@ -266,20 +266,22 @@ class Runner:
         if self.misses:
             self.steady = False
 
-    def timed(self, fn: Callable[[], Any], n: int) -> list[float]:
-        """µs of each of ``n`` calls of ``fn``, each timed on its own (gc off)."""
-        times = [0.0] * n
-        clock = time.perf_counter_ns
+    def timed(self, fn: Callable[[], Any], n: int) -> tuple[list[float], list[float]]:
+        """µs of each of ``n`` calls of ``fn``, each timed on its own (gc off): by the
+        calling thread's CPU time, and by the wall clock (:mod:`~guardtrain.bench.timing`)."""
+        cpu, wall = [0.0] * n, [0.0] * n
+        thread, perf = time.thread_time_ns, time.perf_counter_ns
         with self.active():
             gc.disable()
             try:
                 for i in range(n):
-                    t0 = clock()
+                    c0, w0 = thread(), perf()
                     fn()
-                    times[i] = (clock() - t0) / 1e3
+                    w1, c1 = perf(), thread()
+                    cpu[i], wall[i] = (c1 - c0) / 1e3, (w1 - w0) / 1e3
             finally:
                 gc.enable()
-        return times
+        return cpu, wall
 
     def lookup(self, n: int, window: LookupWindow) -> LookupStats | None:
         """A profiled window of ``n`` no_grad calls (None for eager, or if a profiler runs)."""

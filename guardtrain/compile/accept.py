@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from guardtrain.compile.call_mode import CallMode, key_sources, masked, structure
-from guardtrain.compile.state import TargetState
+from guardtrain.compile.target_state import TargetState
 from guardtrain.compile.trampoline import cache_entry_list
 from guardtrain.guardcheck import check as _guard_check
 

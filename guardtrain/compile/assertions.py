@@ -25,12 +25,14 @@ from guardtrain.compile.watch import class_dict, module_dicts, owner_dict
 from guardtrain.filters import SAVED_TENSORS_HOOKS, is_rechecked
 
 __all__ = [
+    "GroupValues",
     "Assertion",
     "Recorded",
     "attribute_names",
     "check",
     "global_assertions",
     "global_path",
+    "group_values",
     "guard_code",
     "kept_global_assertions",
     "polled_objects",
@@ -496,3 +498,68 @@ def _closest_entry_failures(
         if failing and (best is None or len(failing) < len(best)):
             best = failing
     return best
+
+
+# -- what a compiled optimizer step's guards assert of its param groups (H49) ----------------
+
+_GROUP = re.compile(r"^bound\.__self__\.param_groups\[(\d+)\]\['([^']+)'\]")
+_SHAPE_SOURCE = re.compile(r"L\['bound'\]\.__self__\.param_groups\[(\d+)\]\['([^']+)'\]")
+_NOT_NAN = re.compile(
+    r"^not math\.isnan\(L\['bound'\]\.__self__\.param_groups\[\d+\]\['[^']+'\]\)$"
+)
+_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
+
+
+@dataclass(frozen=True, slots=True)
+class GroupValues:
+    """What one compile's guards assert of an optimizer's param groups: the ``(group,
+    key)`` they pin (any guard on it or below it but a type check), and those only checked
+    for NaN (a float Dynamo made an input: ``not math.isnan(...)`` its one symbolic guard)."""
+
+    pinned: frozenset[tuple[int, str]]
+    inputs: frozenset[tuple[int, str]]
+    state_values: bool = False
+    """A guard reads a plain value of the per-parameter state (a custom optimizer's Python
+    counter, pinned or symbolic): the direct step does not compare those, so the entry
+    never runs directly."""
+
+
+def group_values(guards: Sequence[Any]) -> GroupValues:
+    """:class:`GroupValues` from the guards a compile passes to its guard filter."""
+    pinned: set[tuple[int, str]] = set()
+    symbolic: set[tuple[int, str]] = set()
+    state_values = False
+    for guard in guards:
+        if ".state[" in guard.name and guard.guard_type in _VALUE_GUARDS:
+            state_values = True
+        if guard.guard_type == "SHAPE_ENV":
+            for text in getattr(guard.orig_guard, "code_list", None) or ["?"]:
+                found = {(int(i), k) for i, k in _SHAPE_SOURCE.findall(text)}
+                (symbolic if _NOT_NAN.match(text) else pinned).update(found)
+                state_values = state_values or ".state[" in text
+            continue
+        match = _GROUP.match(guard.name)
+        if match is None:
+            continue
+        if guard.name != match[0] or guard.guard_type != "TYPE_MATCH":
+            pinned.add((int(match[1]), match[2]))
+    return GroupValues(frozenset(pinned), frozenset(symbolic - pinned), state_values)
+
+
+# -- the symbolic sizes in Dynamo's tensor checks (H53) -----------------------------------------
+
+_SIZES = re.compile(r"size=\[([^\]]*)\], stride=\[([^\]]*)\]")
+
+
+def symbolic_sizes(tensor_check: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The dimensions a ``TENSOR_MATCH`` guard's text holds symbolic (printed ``None``):
+    ``(sizes, strides)``; None for a text without sizes."""
+    found = _SIZES.search(tensor_check)
+    if found is None:
+        return None
+    return _nones(found.group(1)), _nones(found.group(2))
+
+
+def _nones(items: str) -> tuple[int, ...]:
+    """The positions of ``None`` in a printed list of sizes or strides."""
+    return tuple(i for i, item in enumerate(items.split(",")) if item.strip() == "None")

@@ -251,7 +251,7 @@ _function_modes: Callable[[], int] = torch._C._len_torch_function_stack
 top_saved_hooks: Callable[[bool], Any] = getattr(
     torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None
 )
-"""The innermost active saved-tensor hooks, ``(pack, unpack)``, or None (0.04-0.09 µs a call)."""
+"""The innermost active saved-tensor hooks, ``(pack, unpack)``, or None (one call into C)."""
 
 
 def inlined_hooks_active() -> bool:

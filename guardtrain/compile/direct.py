@@ -20,7 +20,7 @@ from guardtrain.compile.symbolic import beyond_arguments, has_shape_guards, symb
 from guardtrain.compile.trampoline import TRAMPOLINE_GLOBALS, cache_entry_list
 from guardtrain.guardcheck import check as _guard_check
 
-__all__ = ["DIRECT_LIMIT", "DirectEntry", "direct_supported", "live_codes"]
+__all__ = ["DIRECT_LIMIT", "DirectEntry", "direct_supported", "live_codes", "whole"]
 
 _guards = torch._C._dynamo.guards
 live_codes: dict[int, Any] | None = getattr(
@@ -175,6 +175,23 @@ class _WholeDiff:
     def check(self, scope: dict[str, Any]) -> bool:
         root = self.manager.diff_guard_root
         return root is None or bool(root.check(scope))
+
+
+_RESUME_PREFIXES = ("torch_dynamo_resume_in_", "__resume_at_")
+"""How Dynamo names the resume functions of a frame it broke (the second before torch 2.5)."""
+
+
+def whole(code: types.CodeType) -> bool:
+    """Whether an entry's code runs its whole call as one compiled graph: it calls a
+    compiled graph and no resume function. A trampoline's frame that broke the graph at
+    its call into the module's ``forward`` (a break inside it) has no graph at all: the
+    ``forward`` then runs as a frame of its own. An entry that breaks runs with full
+    guards: run directly, the frames after the break would run uncompiled, and under the
+    stance a miss there would come after part of the call ran (H4)."""
+    names = code.co_names
+    return any(n.startswith("__compiled_fn") for n in names) and not any(
+        n.startswith(_RESUME_PREFIXES) for n in names
+    )
 
 
 def _free(values: Any, dims: tuple[int, ...]) -> list[int | None]:

@@ -4,7 +4,7 @@
 call it runs the rare checks (the shared code compiled since this member's last
 check, saved-tensor hooks, a change seen by an event or a moved namespace); then a
 call under the stance takes :func:`steady`, any other :func:`guarded`. Both are
-module functions of the target's state (:class:`~guardtrain.compile.state.TargetState`),
+module functions of the target's state (:class:`~guardtrain.compile.target_state.TargetState`),
 so the per-call path does one global lookup where a method lookup was.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 import guardtrain.compile.call_mode as _call_mode
-from guardtrain.compile import states as _states
+from guardtrain.compile import known_states as _states
 from guardtrain.compile.accept import (
     ADMITTED,
     FULL_GUARDS,
@@ -48,7 +48,7 @@ from guardtrain.compile.miss import Miss, MissReason
 from guardtrain.compile.options import is_stance_miss
 from guardtrain.compile.repeat import repeat_key
 from guardtrain.compile.stances import NO_STANCE
-from guardtrain.compile.state import TargetState
+from guardtrain.compile.target_state import TargetState
 from guardtrain.compile.trampoline import compiling_frame
 
 __all__ = [
@@ -132,6 +132,7 @@ def plain_forward_for(target: TargetState, func: Callable[..., Any]) -> Callable
     return forward
 
 
+# Complexity 16: the per-call path; split, it would add a Python call to every call.
 def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A call in the steady state: under the stance, set for this call alone (H41), or
     directly (turbo); ``_NOT_RUN`` when it left the stance instead (the caller then runs
@@ -157,7 +158,10 @@ def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         out = _directly(target, mode, key, tensors, args, kwargs)
         if out is not _NOT_DIRECT:
             return out
-    if verdict is FULL_GUARDS:
+    if verdict is FULL_GUARDS or target.code.graph_breaks:
+        # Graph breaks (direct dispatch only, decisions.blocker): a call that no break-free
+        # entry serves directly runs with full guards; under the stance a miss in a
+        # resumed frame would come after part of the call ran (H4).
         return with_full_guards(target, args, kwargs)
     if target.checking and not accepts(target, args, kwargs):
         # Unseen inputs (H26): no entry's guards accept them, so the stance would
@@ -381,7 +385,7 @@ def check_changed(
 
     Only flips seen (``requires_grad``, ``training``, plain attributes, autocast) and a
     state this target ran in before: what it learnt there is put back, and nothing else
-    is checked (:mod:`guardtrain.compile.states`, H46). Otherwise the engine checks and
+    is checked (:mod:`guardtrain.compile.known_states`, H46). Otherwise the engine checks and
     acts (rebuilds the target or leaves the stance); then, still under the stance, the
     entry the stance would run must accept this call with its full guards, or the call
     leaves the stance: the recorded assertions do not say which entry serves the call's
@@ -452,7 +456,7 @@ def first_call_of_batch(target: TargetState) -> None:
     saw it (``torch.Tensor.requires_grad_(p)``, FSDP2's ``DTensor`` parameters) mark the
     target, which then switches to the code of the new pattern as after an event (H42);
     the bits the events keep take the flags as they are (H46). One pass in C over the
-    parameters, about 100 ns each, once per batch."""
+    parameters, once per batch."""
     target.first_call = False
     now = grad_pattern(target.params)
     bits = bytes(now)

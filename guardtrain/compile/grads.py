@@ -17,7 +17,7 @@ finds its entries compiled: no rebuild, no recompile.
 A change is seen by the events on ``nn.Parameter`` (:mod:`guardtrain.compile.watch`)
 before the next call, and by :func:`moved` at the first call of each batch for what
 events miss (``torch.Tensor.requires_grad_(p)``, FSDP2's ``DTensor`` parameters): one
-pass in C over the parameters, about 60 ns each.
+pass in C over the parameters.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ import torch
 import guardtrain.compile.call_mode as _call_mode
 from guardtrain.compile.accept import first_accepting
 from guardtrain.compile.call_mode import CallMode, outside_state_clear
-from guardtrain.compile.direct import DIRECT_LIMIT, DirectEntry
+from guardtrain.compile.direct import DIRECT_LIMIT, DirectEntry, whole
 from guardtrain.compile.miss import Miss, MissReason
-from guardtrain.compile.state import TargetState
+from guardtrain.compile.target_state import TargetState
 from guardtrain.compile.trampoline import cache_entry_list
 
 __all__ = ["direct_entry", "harvest", "may_harvest"]
@@ -45,11 +45,16 @@ def direct_entry(
     else:
         if not may_harvest(target, mode) or _call_mode.dispatch_mode_active():
             return None
+        broken = target.break_keys.get(mode)
+        if broken is not None and key in broken:
+            return None  # Dynamo's entry for it breaks the graph: full guards (H4)
         harvested = harvest(target, mode, key, tensors, args, kwargs)
         if harvested is None:
-            # No entry's guards accept the call: the stance would run one compiled for
-            # other inputs (H26).
-            target.on_miss(target, _UNACCEPTED)
+            broken = target.break_keys.get(mode)
+            if broken is None or key not in broken:
+                # No entry's guards accept the call: the stance would run one compiled
+                # for other inputs (H26).
+                target.on_miss(target, _UNACCEPTED)
             return None
         direct = harvested
     target.direct_calls += 1
@@ -79,13 +84,18 @@ def harvest(
 ) -> DirectEntry | None:
     """The cache entry that Dynamo would choose for this call with full guards (the
     first whose guard manager accepts it, in cache order), as a :class:`DirectEntry`
-    for calls like it, added to the table; None when no entry accepts the call."""
+    for calls like it, added to the table; None when no entry accepts the call, or when
+    that entry breaks the graph (:func:`~guardtrain.compile.direct.whole`): then the
+    call's key joins ``break_keys``, and calls with it run with full guards."""
     target.harvests += 1
     scope = target.call_scope(args, kwargs)
     found = first_accepting(target.code.trampoline, scope)
     if found is None:
         return None
     entry, entries = found
+    if not whole(entry.code):
+        target.break_keys.setdefault(mode, set()).add(key)
+        return None
     code = target.code
     several = entries > 1 and code.mode_compiles.get(mode, 0) != 1
     earlier = []

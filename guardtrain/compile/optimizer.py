@@ -4,34 +4,36 @@
 op (``Optimizer.profile_hook_step``'s hooks and profiler range, then
 ``_use_grad_for_differentiable``'s ``graph_break()``), so Dynamo looks up three frames a
 step, with guards on every parameter, gradient and state tensor and on every
-hyperparameter (165-365 µs a step on a 146-parameter Adam), and its entries have no
-diff guards: the stance raises on them. :class:`CompiledStep` instead
+hyperparameter, and its entries have no diff guards: the stance raises on them.
+:class:`CompiledStep` instead
 
 * compiles a trampoline whose closure is the optimizer's own update, below those two
   wrappers (``fullgraph=True``: one frame), and runs the hooks, the closure and the
   profiler's step marker itself, as the wrappers do;
 * calls it with full guards (Dynamo may compile) whenever something its entries read may
-  have changed, and then *harvests* the entry Dynamo ran: the first whose guard manager
-  accepts the step (:func:`~guardtrain.compile.accept.accepting_entry`'s rule);
-* otherwise runs that entry's code directly, below Dynamo's entry path (H30), after a
-  check of what the guards read (:class:`Snapshot`): the ``param_groups`` list and each
-  group's ``params`` list by identity, the parameters by ``id``, every other value of a
-  group by identity or, for a plain value (a float ``lr``), by equality; the ``state``
-  dict by identity and length; which gradients are ``None``; the parameters' and
-  gradients' dtype, device, shape and strides (Dynamo's ``TensorGuards``); the global
-  state Dynamo guards (grad mode, autocast, deterministic algorithms); and that Dynamo
-  still knows the entry (no ``torch._dynamo.reset()``).
+  have changed, and then *harvests* the entry Dynamo ran, as any target's
+  (:class:`~guardtrain.compile.direct.DirectEntry`: the first entry whose guard manager
+  accepts the step, its code run as a function, the gradients' ``TensorGuards`` and
+  Dynamo's global-state guard);
+* otherwise runs that entry directly, below Dynamo's entry path (H30), after
+  :class:`StepCheck`: versions of the dictionaries that a change writes (the
+  optimizer's ``__dict__``, each param group, the state and each parameter's state, the
+  namespaces whose globals the update reads), the groups' ``params`` lists by identity,
+  which gradients are ``None``, and the gradients' metadata. Its cost per step is a few
+  C calls plus a pass over the gradients.
 
 A scheduled float ``lr`` changes a value the guards read: that step runs with full guards
 (Dynamo recompiles once, at the second value, and then takes the value as an input) and
-the next one directly again. ``load_state_dict`` replaces ``state`` and
-``param_groups``; ``add_param_group`` lengthens the list; a frozen parameter's gradient
-is ``None``; the first step creates the state: each is seen by the check.
+the next ones directly again. ``load_state_dict`` rewrites the optimizer's ``__dict__``;
+``add_param_group`` lengthens the list; a frozen parameter's gradient is ``None``; the
+first step creates the state; a tensor assigned by hand into ``opt.state[p]`` writes that
+parameter's state; a module-level flag of ``torch.optim`` assigned writes its namespace:
+each is seen by the check. Its compiles are told to the run (``on_compile``), as the
+targets' are.
 
-Blind spots, as Dynamo's own guards would see them but this check does not: a tensor
-assigned by hand into ``opt.state[p]`` in place of another (the state of an existing
-parameter, same keys), and a global that the optimizer's update reads (a module-level
-flag of ``torch.optim``) changed between steps.
+Blind spots: a parameter's or a state tensor's metadata changed in place (``p.data =``
+a tensor of another dtype or shape) after the backward that made its gradient and
+before the step; both wait for the run's next step with full guards (an audit).
 
 Refused (:func:`refusal`): ``LBFGS`` (its closure runs many times inside its update),
 ``differentiable=True`` (the update must be traced with grad mode on).
@@ -40,9 +42,8 @@ Refused (:func:`refusal`): ``LBFGS`` (its closure runs many times inside its upd
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
-import re
+import operator
 import types
 import weakref
 from typing import Any, Callable, Sequence
@@ -51,19 +52,38 @@ import torch
 import torch.optim.optimizer as _optimizer
 
 from guardtrain.compile.accept import first_accepting
-from guardtrain.compile.direct import live_codes
+from guardtrain.compile.assertions import (
+    GroupValues,
+    group_values,
+    kept_global_assertions,
+    polled_objects,
+)
+from guardtrain.compile.direct import DirectEntry, live_codes
 from guardtrain.compile.options import build_compile_kwargs
+from guardtrain.compile.polled import Polled
 from guardtrain.compile.trampoline import (
+    CLOSURE_NAME,
     TRAMPOLINE_GLOBALS,
     cache_entry_list,
+    compiling_frame,
     new_trampoline,
     trampoline_function,
 )
 from guardtrain.errors import GuardTrainRuntimeError
 
-__all__ = ["CompiledStep", "Snapshot", "Values", "install", "installed", "refusal", "uninstall"]
+__all__ = [
+    "CompileHook",
+    "CompiledStep",
+    "StepCheck",
+    "install",
+    "installed",
+    "installed_steps",
+    "refusal",
+    "uninstall",
+]
 
-_guards = torch._C._dynamo.guards
+_dict_version: Callable[[dict[Any, Any]], int] = torch._C._dynamo.guards.dict_version
+_grad = operator.attrgetter("grad")
 _Tensor = torch.Tensor
 _pre_hooks = _optimizer._global_optimizer_pre_hooks
 _post_hooks = _optimizer._global_optimizer_post_hooks
@@ -97,35 +117,110 @@ def raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     return func  # type: ignore[no-any-return]
 
 
-class Snapshot:
-    """What the entry harvested at a full-guard step read, and a check that it is still
-    so (the module docstring lists what is compared)."""
+class StepCheck:
+    """What a direct step checks before it runs the harvested entry, and what changed.
 
-    __slots__ = ("global_state", "groups", "ids", "items", "lists", "mask", "state", "tensors")
+    Versions where a write has one: the optimizer's own ``__dict__``
+    (``load_state_dict``, any attribute assigned) and each param group's dictionary (a
+    hyperparameter written, ``params`` replaced); in one C call (:class:`Polled`), the
+    ``state`` dictionary (a parameter's state added), each parameter's state (a tensor
+    assigned by hand into ``opt.state[p]``) and the namespaces whose globals the update
+    reads. The ``param_groups`` list's length (``add_param_group``), and each group's
+    ``params`` list by identity (changed in place). Per step, what no write marks: the
+    gradients, by Dynamo's ``TensorGuards`` (dtype, device, sizes, strides; a ``None``
+    where a gradient was fails it; the backward gives a parameter's gradient its metadata),
+    Dynamo's global state, and that Dynamo still knows the entry: the harvested
+    :class:`~guardtrain.compile.direct.DirectEntry`'s own checks."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    __slots__ = (
+        "attributes",
+        "direct",
+        "groups",
+        "items",
+        "lists",
+        "mask",
+        "params",
+        "polled",
+        "state_total",
+        "states",
+        "versions",
+    )
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, direct: DirectEntry, namespaces: list[Any]
+    ) -> None:
+        self.direct = direct
         groups = optimizer.param_groups
         self.groups = groups
-        self.lists = [g["params"] for g in groups]
-        self.ids = [list(map(id, p)) for p in self.lists]
+        self.versions = [_dict_version(g) for g in groups]
         self.items = [tuple(g.items()) for g in groups]
-        self.state = (optimizer.state, len(optimizer.state))
-        params = [p for p in self.lists for p in p]
-        grads = [p.grad for p in params]
-        self.mask = [g is None for g in grads]
-        self.tensors = _guards.TensorGuards(
-            *params,
-            *[g for g in grads if g is not None],
-            dynamic_dims_sizes=None,
-            dynamic_dims_strides=None,
-        )
-        self.global_state = _guards.GlobalStateGuard()
+        self.lists = [(g["params"], list(g["params"])) for g in groups]
+        self.params = tuple(p for g in groups for p in g["params"])
+        state = optimizer.state
+        self.states = [state[p] for p in self.params if p in state]
+        self.polled = Polled([state, *self.states, *namespaces])
+        self.state_total = sum(map(_dict_version, [state, *self.states]))
+        mask = [p.grad is None for p in self.params]
+        self.mask = mask if any(mask) else None
+        """Which gradients are ``None``, where some are (None: every one is a tensor)."""
+        self.attributes = _dict_version(optimizer.__dict__)
 
-    def values_moved(self, optimizer: torch.optim.Optimizer, values: Values | None) -> bool:
+    def change(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """What changed since the entry was harvested, or None (the step may run it)."""
+        return self._structure_change(optimizer) or self._tensor_change()
+
+    def _structure_change(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """The optimizer's attributes, groups, parameter lists and polled dicts."""
+        if _dict_version(optimizer.__dict__) != self.attributes:
+            if optimizer.param_groups is not self.groups:
+                return "param_groups"
+            return "state" if optimizer.state is not self.polled.dicts[0] else "attributes"
+        groups, versions = self.groups, self.versions
+        if len(groups) != len(versions):
+            return "param_groups"
+        for group, version in zip(groups, versions):
+            if _dict_version(group) != version:
+                return self._group_change()
+        for now, then in self.lists:
+            if not _same_items(now, then):
+                return "params"
+        if self.polled.moved():
+            return self._moved()
+        return None
+
+    def _tensor_change(self) -> str | None:
+        """The gradients' presence and metadata, the global state, the entry's life."""
+        grads = list(map(_grad, self.params))
+        direct, mask = self.direct, self.mask
+        if mask is not None:
+            if [g is None for g in grads] != mask:
+                return "gradients None"
+            grads = [g for g in grads if g is not None]
+        # The parameters and their gradients in one call (a None fails it too).
+        if not direct.tensors.check(*self.params, *grads):
+            return "gradients None" if any(g is None for g in grads) else "tensor metadata"
+        if not direct.global_state.check():
+            return "global state"
+        if live_codes is None or id(direct.code) not in live_codes:
+            return "entry forgotten"  # torch._dynamo.reset()
+        return None
+
+    def _group_change(self) -> str:
+        """A group's dictionary was written: its ``params`` replaced, or a hyperparameter."""
+        for group, items in zip(self.groups, self.items):
+            if group.get("params") is not dict(items).get("params"):
+                return "params"
+        return "hyperparameters"
+
+    def _moved(self) -> str:
+        """What a polled version says: a parameter's ``state`` written, or ``globals``."""
+        states = self.polled.dicts[: len(self.states) + 1]
+        return "state" if sum(map(_dict_version, states)) != self.state_total else "globals"
+
+    def values_moved(self, optimizer: torch.optim.Optimizer, values: GroupValues | None) -> bool:
         """Whether every group value that changed is a float the entry takes as an input
-        (``values``: its compile's :class:`Values`), not NaN; if so the snapshot takes
-        the new values. Called after :meth:`change` said ``hyperparameters``: the groups,
-        their keys and their ``params`` are as they were."""
+        (``values``: what its compile's guards assert of the groups), not NaN; if so the
+        check takes the new values. Called after :meth:`change` said ``hyperparameters``."""
         if values is None:
             return False
         moved: list[tuple[int, tuple[tuple[str, Any], ...]]] = []
@@ -146,87 +241,15 @@ class Snapshot:
             moved.append((i, now))
         for i, now in moved:
             self.items[i] = now
+        self.versions = [_dict_version(g) for g in self.groups]
         return True
 
-    def change(self, optimizer: torch.optim.Optimizer) -> str | None:
-        """What changed since the snapshot, or None."""
-        params = self._groups_change(optimizer)
-        if isinstance(params, str):
-            return params
-        state, n = self.state
-        if optimizer.state is not state or len(state) != n:
-            return "state"
-        grads = [p.grad for p in params]
-        if [g is None for g in grads] != self.mask:
-            return "gradients None"
-        if not self.tensors.check(*params, *[g for g in grads if g is not None]):
-            return "tensor metadata"
-        if not self.global_state.check():
-            return "global state"
-        return None
 
-    def _groups_change(self, optimizer: torch.optim.Optimizer) -> str | list[Any]:
-        """What changed in the groups, or (nothing) their parameters."""
-        groups = optimizer.param_groups
-        if groups is not self.groups or len(groups) != len(self.lists):
-            return "param_groups"
-        params: list[Any] = []
-        for group, plist, ids, items in zip(groups, self.lists, self.ids, self.items):
-            now = group["params"]
-            if now is not plist or list(map(id, now)) != ids:
-                return "params"
-            if len(group) != len(items) or not all(
-                _same(group.get(k, _MISSING), v) for k, v in items
-            ):
-                return "hyperparameters"
-            params += now
-        return params
-
-
-_GROUP = re.compile(r"^bound\.__self__\.param_groups\[(\d+)\]\['([^']+)'\]")
-_SHAPE_SOURCE = re.compile(r"L\['bound'\]\.__self__\.param_groups\[(\d+)\]\['([^']+)'\]")
-_NOT_NAN = re.compile(
-    r"^not math\.isnan\(L\['bound'\]\.__self__\.param_groups\[\d+\]\['[^']+'\]\)$"
-)
-
-
-_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Values:
-    """What one compile's guards assert of the param groups' values: the ``(group, key)``
-    they pin (any guard on it or below it but a type check), and those only checked for
-    NaN (a float Dynamo made an input: ``not math.isnan(...)`` its one symbolic guard)."""
-
-    pinned: frozenset[tuple[int, str]]
-    inputs: frozenset[tuple[int, str]]
-    state_values: bool = False
-    """A guard reads a plain value of the per-parameter state (a custom optimizer's Python
-    counter, pinned or symbolic): the snapshot does not compare those, so the entry
-    never runs directly."""
-
-    @classmethod
-    def of(cls, guards: Sequence[Any]) -> Values:
-        """From the guards a compile passes to its guard filter."""
-        pinned: set[tuple[int, str]] = set()
-        symbolic: set[tuple[int, str]] = set()
-        state_values = False
-        for guard in guards:
-            if ".state[" in guard.name and guard.guard_type in _VALUE_GUARDS:
-                state_values = True
-            if guard.guard_type == "SHAPE_ENV":
-                for text in getattr(guard.orig_guard, "code_list", None) or ["?"]:
-                    found = {(int(i), k) for i, k in _SHAPE_SOURCE.findall(text)}
-                    (symbolic if _NOT_NAN.match(text) else pinned).update(found)
-                    state_values = state_values or ".state[" in text
-                continue
-            match = _GROUP.match(guard.name)
-            if match is None:
-                continue
-            if guard.name != match[0] or guard.guard_type != "TYPE_MATCH":
-                pinned.add((int(match[1]), match[2]))
-        return cls(frozenset(pinned), frozenset(symbolic - pinned), state_values)
+def _same_items(now: list[Any], then: list[Any]) -> bool:
+    """Whether a ``params`` list holds the same objects as its copy, by identity (a list's
+    ``==`` would fall back to a tensor's own ``==``, which a one-element tensor answers
+    True for another object)."""
+    return len(now) == len(then) and all(map(operator.is_, now, then))
 
 
 def _same(now: Any, then: Any) -> bool:
@@ -238,17 +261,28 @@ def _same(now: Any, then: Any) -> bool:
     return type(now) is type(then) and bool(now == then)
 
 
+CompileHook = Callable[[str, "str | None"], None]
+"""Told of each compile of a step: the optimizer's label and Dynamo's recompile reason."""
+
+
 class CompiledStep:
-    """One optimizer's step: compiled as one frame, direct while :class:`Snapshot` holds.
+    """One optimizer's step: compiled as one frame, direct while :class:`StepCheck` holds.
 
     Args:
         optimizer: the optimizer (see :func:`refusal`).
         compile_kwargs: the run's validated ``compile_kwargs`` (``fullgraph`` is set).
+        on_compile: told of each compile (the run's compile count, H6).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, compile_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        compile_kwargs: dict[str, Any],
+        on_compile: CompileHook | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.name = type(optimizer).__name__
+        self.on_compile = on_compile
         self.bound = types.MethodType(raw_step(optimizer), optimizer)
         self.trampoline = new_trampoline(shared=False)
         self.closure = (types.CellType(self.bound),)
@@ -258,11 +292,13 @@ class CompiledStep:
         self.compiled = torch.compile(
             trampoline_function(self.trampoline, self.closure, shared=False), **kwargs
         )
-        self.recorded: list[Values] = []  # what each compile's guards assert of the groups
-        self.values: dict[int, Values] = {}  # id(entry code) -> that
-        self.direct: Callable[[], Any] | None = None
-        self.direct_code: Any = None
-        self.snapshot: Snapshot | None = None
+        self.recorded: list[tuple[GroupValues, list[Any]]] = []
+        """Per compile of this step: what its guards assert of the groups, and the
+        namespaces whose globals they read."""
+        self.values: dict[int, tuple[Any, GroupValues, list[Any]]] = {}
+        """``id(entry code)`` -> ``(that code, what its compile recorded)``: the code is
+        compared by identity, as a forgotten code's id may be reused."""
+        self.check: StepCheck | None = None
         self.eager: str | None = None
         """Why the step runs uncompiled for the rest of the run (Dynamo refused it)."""
         if any(group.get("fused") for group in optimizer.param_groups):
@@ -270,7 +306,8 @@ class CompiledStep:
             # compile runs it eagerly too); it is one kernel already.
             self.eager = "fused=True: one fused kernel, which Dynamo does not trace"
         self.direct_allowed = True
-        """False: every step with full guards (what direct dispatch saves, measured)."""
+        """False: every step with full guards (the run's lookup window and audits; the
+        bench's measure of what direct dispatch saves)."""
         self.full_steps = 0
         self.direct_steps = 0
         self.changes: collections.Counter[str] = collections.Counter()
@@ -278,10 +315,15 @@ class CompiledStep:
         self.method: Any = None  # the one install() set
 
     def _record(self, guards: Sequence[Any]) -> list[bool]:
-        """The guard filter: keeps every guard, and records which group values the
-        compile's guards pin (:class:`Values`)."""
-        self.recorded.append(Values.of(guards))
-        return [True] * len(guards)
+        """The guard filter: keeps every guard, records what the compile's guards assert of
+        the groups and which namespaces' globals they read, and tells ``on_compile``."""
+        keep = [True] * len(guards)
+        scope = {"G": TRAMPOLINE_GLOBALS, CLOSURE_NAME: self.bound}
+        found = polled_objects([tuple(kept_global_assertions(guards, keep))], scope)[0]
+        self.recorded.append((group_values(guards), found))
+        if self.on_compile is not None:
+            self.on_compile(f"{self.name}.step", compiling_frame()[1])
+        return keep
 
     def entries(self) -> int:
         """Dynamo's cache entries for the step's frame."""
@@ -302,10 +344,12 @@ class CompiledStep:
         if closure is not None:  # as the optimizers' own step: first, with grad mode on
             with torch.enable_grad():
                 loss = closure()
+        # What an LR scheduler's own step wrapper records (its check before its step);
+        # written once, before the check reads the optimizer's version.
+        if opt.__dict__.get("_opt_called") is not True:
+            opt._opt_called = True  # type: ignore[attr-defined]
         with torch.no_grad():
             self._update()
-        # What an LR scheduler's own step wrapper records (its check before its step).
-        opt._opt_called = True  # type: ignore[attr-defined]
         opt._optimizer_step_code()
         for post_hook in (*opt._optimizer_step_post_hooks.values(), *_post_hooks.values()):
             post_hook(opt, args, kwargs)
@@ -315,59 +359,85 @@ class CompiledStep:
         if self.eager is not None:
             self.bound()
             return
-        direct, snapshot = self.direct, self.snapshot
-        if direct is not None and snapshot is not None:
-            change = snapshot.change(self.optimizer)
-            if change == "hyperparameters" and snapshot.values_moved(
-                self.optimizer, self.values.get(id(self.direct_code))
-            ):
-                # Values the entry takes as inputs (a scheduled lr): the snapshot has
-                # them now; everything after them is checked as always.
-                change = snapshot.change(self.optimizer)
-                if change is None:
+        if not self.direct_allowed:  # a batch with full guards: what was harvested stays
+            self._guarded()
+            return
+        check = self.check
+        if check is not None:
+            change, served = self.decide(check)
+            if change is None:
+                if served:
                     self.changes["hyperparameters, served directly"] += 1
-            if change is None and live_codes is not None and id(self.direct_code) in live_codes:
-                direct()
+                check.direct.fn()
                 self.direct_steps += 1
                 return
-            if change is not None:
-                self.changes[change] += 1
+            self.changes[change] += 1
         self._full()
+
+    def decide(self, check: StepCheck) -> tuple[str | None, bool]:
+        """The direct path's check before a step: what changed since the entry was
+        harvested (None: run it), and whether hyperparameters the entry takes as inputs
+        moved (a scheduled lr: the check takes them, then checks everything after them)."""
+        change = check.change(self.optimizer)
+        recorded = self._values_of(check.direct.code)
+        if change == "hyperparameters" and check.values_moved(
+            self.optimizer, None if recorded is None else recorded[0]
+        ):
+            change = check.change(self.optimizer)
+            return change, change is None
+        return change, False
 
     def _full(self) -> None:
         """A step with full guards (Dynamo may compile), then the entry it ran harvested."""
-        self.direct = self.direct_code = None
+        self.check = None
+        if self._guarded():
+            self._harvest()
+
+    def _values_of(self, code: Any) -> tuple[GroupValues, list[Any]] | None:
+        """What the compile of the entry whose code is ``code`` recorded, or None."""
+        found = self.values.get(id(code))
+        return None if found is None or found[0] is not code else (found[1], found[2])
+
+    def _guarded(self) -> bool:
+        """The update with full guards; False when Dynamo refused it (it then runs
+        uncompiled from now on, as plain compile runs a frame past its limit). When it
+        compiled, what the compile recorded is kept for its entry (the newest)."""
         self.recorded.clear()
         try:
             self.compiled()
         except (torch._dynamo.exc.TorchDynamoException, _RECOMPILE_LIMIT) as err:
-            # Dynamo cannot compile this update as one frame (a graph break, an
-            # unsupported op, its recompile limit): it runs uncompiled from now on, as
-            # plain compile runs a frame past its limit. Nothing ran before the error.
+            # A graph break, an unsupported op, the recompile limit: raised before any of
+            # the update ran.
             self.eager = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            self.check = None
             self.bound()
-            return
+            return False
         self.full_steps += 1
-        if self.direct_allowed:
-            self.snapshot = Snapshot(self.optimizer)
-            self._harvest()
+        if self.recorded and cache_entry_list is not None:
+            code = cache_entry_list(self.trampoline)[0].code
+            self.values[id(code)] = (code, *self.recorded[-1])
+        return True
 
     def _harvest(self) -> None:
+        """The entry Dynamo ran (the first whose guards accept the step, H30), held as any
+        harvested entry is, with the step's :class:`StepCheck`."""
         if cache_entry_list is None or live_codes is None:
             return
-        found = first_accepting(self.trampoline, {"args": (), "kwargs": {}, "bound": self.bound})
-        if found is not None:
-            code = found[0].code
-            self.direct = types.FunctionType(
-                code, TRAMPOLINE_GLOBALS, code.co_name, None, self.closure
-            )
-            self.direct_code = code
-        if self.recorded:  # this step compiled: the newest entry is its
-            self.values[id(cache_entry_list(self.trampoline)[0].code)] = self.recorded[-1]
-        values = self.values.get(id(self.direct_code))
-        if values is None or values.state_values:
-            # What the entry's guards read is not all in the snapshot: full guards.
-            self.direct = self.direct_code = None
+        scope = {"args": (), "kwargs": {}, CLOSURE_NAME: self.bound}
+        found = first_accepting(self.trampoline, scope)
+        if found is None:
+            return
+        entry = found[0]
+        recorded = self._values_of(entry.code)
+        if recorded is None or recorded[0].state_values:
+            return  # what the entry's guards read is not all in the check: full guards
+        opt = self.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        # The parameters' metadata too: the entry's guards check it (a `p.data = ...` of
+        # another dtype, a requires_grad flip with its gradient kept).
+        direct = DirectEntry(entry, self.closure, (), [*params, *grads], False, scope, [])
+        self.check = StepCheck(opt, direct, recorded[1])
 
     def summary(self) -> dict[str, Any]:
         """The facts ``summary()["optimizers"]`` shows for this optimizer."""
@@ -403,6 +473,11 @@ _step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 def installed(optimizer: Any) -> CompiledStep | None:
     """The :class:`CompiledStep` that runs ``optimizer.step`` now, or ``None``."""
     return _INSTALLED.get(optimizer)
+
+
+def installed_steps() -> list[CompiledStep]:
+    """Every :class:`CompiledStep` installed now (what ``PROCESS.changed()`` lists)."""
+    return list(_INSTALLED.values())
 
 
 def install(step: CompiledStep) -> None:

@@ -17,11 +17,11 @@ modules, never one per module:
 
 Per call the dictionaries' versions are compared with those at the last reset: with
 three or more, by one Dynamo guard tree built for them
-(``torch._C._dynamo.guards.RootGuardManager`` with a dictionary-version guard each,
-one call into C: about 0.2 µs plus 0.02 µs a dictionary); with fewer, by the sum of
-their versions (one pass in C, about 60 ns a dictionary; a write only ever raises a
-version). Then each list (about 40 ns for a list of plain values). docs/bench.md has
-the measurements.
+(``torch._C._dynamo.guards.RootGuardManager`` with a dictionary-version guard on each
+item of one tuple, one call into C); with fewer, by the sum of
+their versions (one pass in C; a write only ever raises a
+version). Then each list (one ``!=`` in C for a list of plain values). docs/bench.md
+has the measurements.
 
 Blind spots (caught at the next audit or loop boundary): a change inside an item of a
 watched list that is itself a container; an item of a list of plain values replaced
@@ -92,7 +92,7 @@ class Polled:
 
     def successor(self) -> Polled:
         """A new :class:`Polled` over the same objects, not yet taken: it says moved until
-        its :meth:`reset` (this one is kept as it is, :mod:`guardtrain.compile.states`)."""
+        its :meth:`reset` (this one is kept as it is, :mod:`guardtrain.compile.known_states`)."""
         new = Polled()
         new.dicts, new.lists, new.total = self.dicts, self.lists, -1
         return new
@@ -118,15 +118,16 @@ class Polled:
 
 
 def _version_tree(dicts: tuple[dict[Any, Any], ...]) -> tuple[Callable[[Any], bool], Any]:
-    """One Dynamo guard tree over ``dicts`` (a dictionary-version guard each) and the scope
-    it reads: ``check(scope)`` is True while none was written."""
+    """One Dynamo guard tree over ``dicts`` (a dictionary-version guard each, on the items
+    of one tuple) and the scope it reads: ``check(scope)`` is True while none was written."""
     root = _guards.RootGuardManager()
-    scope: dict[str, Any] = {}
+    scope: dict[str, Any] = {"d": dicts}
+    items = root.dict_getitem_manager(
+        key="d", source="d", example_value=dicts, guard_manager_enum=_GUARD_MANAGER
+    )
     for i, d in enumerate(dicts):
-        name = f"d{i}"
-        scope[name] = d
-        node = root.dict_getitem_manager(
-            key=name, source=name, example_value=d, guard_manager_enum=_GUARD_MANAGER
+        node = items.tuple_getitem_manager(
+            key=i, source=f"d[{i}]", example_value=d, guard_manager_enum=_GUARD_MANAGER
         )
-        node.add_dict_version_guard(d, [f"dict_version({name})"], None)
+        node.add_dict_version_guard(d, [f"dict_version(d[{i}])"], None)
     return root.check, scope

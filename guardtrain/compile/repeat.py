@@ -1,13 +1,12 @@
 """A steady call that repeats the last one's plain arguments, recognised without a new key.
 
 :func:`~guardtrain.compile.call_mode.call_key` builds a call's key afresh on every call:
-a list, a tuple per plain value, then a tuple (about 0.45 µs for a tensor and three
-plain values). Most steady calls repeat the previous call's plain values exactly
-(``model(x, k, t, "mode")`` with the same ``k``, ``t`` and mode), so once a key has
-been admitted under the stance and then repeated, the target's key function becomes one
-made for that key (:func:`repeat_key`): it compares the call's arguments with the key's
-values in one expression and returns the same key object, or falls back to
-``call_key``. It is made only for flat calls (exact tensors and plain values, no
+a list, a tuple per plain value, then a tuple. Most steady calls repeat the previous
+call's plain values exactly (``model(x, k, t, "mode")`` with the same ``k``, ``t`` and
+mode), so once a key has been admitted under the stance and then repeated, the target's
+key function becomes one made for that key (:func:`repeat_key`): it compares the call's
+arguments with the key's values in one expression and returns the same key object, or
+falls back to ``call_key``. It is made only for flat calls (exact tensors and plain values, no
 containers, tensors all distinct), and only after a repeat, so an argument that takes a
 new value on every call (a step counter) never pays for making one.
 """

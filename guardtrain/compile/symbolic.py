@@ -21,18 +21,18 @@ guard text it reads per entry.
 
 from __future__ import annotations
 
-import re
 import types
 import weakref
 from typing import Any, Iterator
 
 import torch
 
+from guardtrain.compile.assertions import symbolic_sizes
+
 __all__ = ["ARGUMENTS", "beyond_arguments", "has_shape_guards", "symbolic_dims"]
 
 ARGUMENTS = ("L['args']", "L['kwargs']")
 """The guard sources of a trampoline frame's arguments (private and shared code alike)."""
-_SIZES = re.compile(r"size=\[([^\]]*)\], stride=\[([^\]]*)\]")
 Dims = tuple[tuple[int, ...], tuple[int, ...]]
 """``(symbolic size dims, symbolic stride dims)`` of one tensor."""
 _READ: weakref.WeakKeyDictionary[types.CodeType, dict[str, Dims]] = weakref.WeakKeyDictionary()
@@ -88,14 +88,9 @@ def _tensor_guards(root: Any) -> Iterator[tuple[str, Dims]]:
         for leaf in node.get_leaf_guards():
             if type(leaf).__name__ != "TENSOR_MATCH":
                 continue
-            found = _SIZES.search(leaf.verbose_code_parts()[0])
+            found = symbolic_sizes(leaf.verbose_code_parts()[0])
             if found is not None:
-                yield source, (_nones(found.group(1)), _nones(found.group(2)))
-
-
-def _nones(items: str) -> tuple[int, ...]:
-    """The positions of ``None`` in a printed list of sizes or strides."""
-    return tuple(i for i, item in enumerate(items.split(",")) if item.strip() == "None")
+                yield source, found
 
 
 def _nodes(root: Any) -> Iterator[Any]:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import guardtrain.compile.grads as _grads
-import guardtrain.compile.states as _states
+import guardtrain.compile.known_states as _states
 import guardtrain.compile.verify as _verify
 import guardtrain.compile.watch as _watch
 from guardtrain.compile.assertions import Assertion, check, polled_objects
@@ -67,7 +67,7 @@ _MISSING = object()
 class CompiledTarget:
     """One module whose ``forward`` runs through a compiled trampoline.
 
-    Its per-call state is documented on :class:`~guardtrain.compile.state.TargetState`;
+    Its per-call state is documented on :class:`~guardtrain.compile.target_state.TargetState`;
     what it shares with other members of its code is on :attr:`code`.
 
     Args:
@@ -113,6 +113,7 @@ class CompiledTarget:
         self.unsafe_stance: Any = None
         self.direct_allowed = False  # direct dispatch wanted (`direct_dispatch`, not refused)
         self.direct, self.direct_calls = False, 0
+        self.mixed = False  # graph breaks, kept whole: broken entries with full guards (H4)
         self.forget_dispatch()  # the dispatch table, the accepted keys
         self.checking, self.checks = False, 0
         self.retry_eagerly = False
@@ -304,9 +305,9 @@ class CompiledTarget:
             _states.leave(self)  # a loop pass starts or ends: kept for the next (H46)
         if (on or not keep) and not self.changed and self.kept.state is None:
             self.kept.state = _states.state_key(self, self.code.autocast)  # learnt from now on
-        self.direct = (
-            on and self.direct_allowed and self.unverified is None and not self.code.graph_breaks
-        )
+        # With graph breaks too: an entry that breaks runs with full guards (H4), the
+        # others directly; such a target never runs under the stance (forward.steady).
+        self.direct = on and self.direct_allowed and self.unverified is None
         if not on:
             self.forget_dispatch()
 
@@ -317,6 +318,7 @@ class CompiledTarget:
         self.accepted: dict[CallMode, set[tuple[Any, ...]]] = {}
         self.accepted_masked: dict[CallMode, set[tuple[Any, ...]]] = {}
         self.full_keys: dict[CallMode, set[tuple[Any, ...]]] = {}
+        self.break_keys: dict[CallMode, set[tuple[Any, ...]]] = {}
         self.delegated: dict[tuple[Any, ...], frozenset[int]] = {}
         self.last_key: tuple[Any, ...] | None = None
         self.last_mode: CallMode | None = None

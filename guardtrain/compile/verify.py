@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from guardtrain.compile.state import TargetState
+from guardtrain.compile.target_state import TargetState
 
 __all__ = ["start_verify", "stop_verify"]
 

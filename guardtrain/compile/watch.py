@@ -3,7 +3,7 @@
 Under the stance Dynamo evaluates almost no guard, and guard filters drop the
 guards on modules, so a change made between two steps must be seen by
 guardtrain before the next call (H33, H34, H35). Polling every module's
-dictionaries per call grows with the model (13 µs for 49 modules), so module
+dictionaries per call costs in proportion to the number of modules, so module
 state is tracked by events, the way ``torch/_dynamo/mutation_guard.py`` does:
 
 * ``nn.Module.__setattr__`` and ``__delattr__`` are wrapped while a target is
@@ -17,18 +17,18 @@ state is tracked by events, the way ``torch/_dynamo/mutation_guard.py`` does:
   ``requires_grad_`` wrapper and a ``requires_grad`` property over the tensor's own
   descriptor, so ``p.requires_grad_()``, ``Module.requires_grad_()`` and
   ``p.requires_grad = ...`` mark the targets that hold the parameter. Reading
-  ``p.requires_grad`` goes through the property (about 60 ns more); the compiled code
+  ``p.requires_grad`` goes through the property (one Python call more); the compiled code
   and autograd read the flag in C, unchanged;
 * plain objects, classes, global namespaces and lists that guards read are few and
   fixed per compile: they are polled per call (:mod:`guardtrain.compile.polled`).
 
 A ``requires_grad`` flip, a ``training`` assignment and a plain value assigned over a
 plain value (an attribute that guards read) are *flips*: besides marking, the event writes
-the new value into the target's :class:`~guardtrain.compile.states.Flips` (one byte per
+the new value into the target's :class:`~guardtrain.compile.known_states.Flips` (one byte per
 parameter or module, in ``parameters()`` and ``modules()`` order, or the attribute's
 value), and a target marked only by flips keeps ``Flips.only``.
 Such a target may go back to a state it ran in before without a re-check
-(:mod:`guardtrain.compile.states`, H46).
+(:mod:`guardtrain.compile.known_states`, H46).
 
 A marked target checks itself before its next call; nothing else is done per
 call. The wrappers are installed when the first target is watched and removed
@@ -75,7 +75,7 @@ class Watched(Protocol):
     changed: bool
     change_note: str | None
     flips: Any
-    """What the flips keep (:class:`~guardtrain.compile.states.Flips`)."""
+    """What the flips keep (:class:`~guardtrain.compile.known_states.Flips`)."""
 
 
 # id(module) -> targets that contain it; id(hook dict) -> targets whose module owns it;

@@ -3,7 +3,7 @@
 * :mod:`~guardtrain.engine.engine`: :class:`GuardEngine`, which the adapters drive: a
   run's lifecycle, its loops and batches, and what it shows them.
 * :mod:`~guardtrain.engine.run`: the parts of one run that the engine's parts share.
-* :mod:`~guardtrain.engine.batches`: the checks around a batch, and entry into the stance.
+* :mod:`~guardtrain.engine.batch_checks`: the checks around a batch, and entry into the stance.
 * :mod:`~guardtrain.engine.repairs`: re-arms, rebuilds, the steady switch, and the
   answers to what the targets report.
 * :mod:`~guardtrain.engine.host`: :class:`Host`, how the engine reaches the outside.
@@ -11,16 +11,19 @@
 * :mod:`~guardtrain.engine.levers`: the levers the installed torch and the strategy allow.
 * :mod:`~guardtrain.engine.targets`: the compiled targets: activate, reuse, split on
   graph breaks, restore.
-* :mod:`~guardtrain.engine.checks`: the boundary re-check, changes caught before a call,
+* :mod:`~guardtrain.engine.findings`: the boundary re-check, changes caught before a call,
   misses, audits; they return findings, the engine's parts act.
 * :mod:`~guardtrain.engine.changes`: changes caught before a call, and what each calls for.
 * :mod:`~guardtrain.engine.lookup`: the lookup windows (guard time per step, profiled).
-* :mod:`~guardtrain.engine.summary`: ``summary()``, ``state_dict()``, the table, metrics.
+* :mod:`~guardtrain.engine.summary`: ``summary()``, the run's report as a plain dict.
+* :mod:`~guardtrain.engine.checkpoint`: what a checkpoint and the next run keep of it.
+* :mod:`~guardtrain.engine.metrics`: the ``guard/*`` metrics.
+* :mod:`~guardtrain.engine.table`: the end-of-run table, and what ``auto`` chose.
 * :mod:`~guardtrain.engine.phases`: the warm-up -> steady -> re-armed machine per loop.
 * :mod:`~guardtrain.engine.decisions`: per-batch, audit and entry decisions, pure.
 * :mod:`~guardtrain.engine.process`: everything guardtrain changes in the process, in one
   place (:data:`PROCESS`): Dynamo config, stance values, wrappers, take-overs, live runs.
-* :mod:`~guardtrain.engine.runs`: the runs that hold modules (a dead one is released).
+* :mod:`~guardtrain.engine.holders`: the runs that hold modules (a dead one is released).
 * :mod:`~guardtrain.engine.agreement`: how ranks decide together.
 * :mod:`~guardtrain.engine.breaks`: where Dynamo's graph breaks are (reason, file, line).
 * :mod:`~guardtrain.engine.warmstart`: the compile cache saved and loaded (``compile_cache``).

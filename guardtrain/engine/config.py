@@ -49,11 +49,49 @@ class GuardConfig:
     with the same name, type and default; a field's type is what the config holds
     and ``Accepts`` names a wider type that an argument also takes (``targets="net"``
     is held as ``["net"]``). ``levers``, ``filter_spec`` and ``disabled`` are derived.
+    Each field's docstring below gives the details and the default; what each setting
+    does while training: docs/how-it-works.md.
+
+    Args:
+        preset: the preset whose levers the arguments below override.
+        warmup_steps: training batches with full guards before the stance.
+        stable_steps: batches without a compile needed to enter the stance.
+        targets: the submodules to compile (names or glob patterns).
+        compile_kwargs: the arguments for ``torch.compile``.
+        guard_filter: the guard filter, in place of the preset's.
+        install_free_tensors: compile with ``install_free_tensors``.
+        recursive_dict_tags: Dynamo's recursive dict tags during the run.
+        use_stance: enter the unsafe stance once a loop is warm.
+        direct_dispatch: run each steady call's cache entry directly.
+        unsafe_drop_floor: do not combine the filter with the soundness floor.
+        log_metrics: log ``guard/*`` metrics through the Trainer's loggers.
+        audit_every: steady batches between audits (``None``: no audits).
+        verify_every: steady batches between eager comparisons (``None``: none).
+        verify_rtol: relative tolerance of ``verify_every``.
+        verify_atol: absolute tolerance of ``verify_every``.
+        guard_collectives: make the ranks agree on every guard failure.
+        compile_optimizer: compile the optimizers' step too.
+        measure_lookup: profile Dynamo's lookup once when the stance is entered.
+        lookup_window: batches per measuring window.
+        compile_cache: a file for PyTorch's compile-cache artifacts (warm start).
+        disabled: make every adapter a no-op (default: from ``GUARDTRAIN_DISABLE``).
 
     Raises:
-        GuardTrainValueError: an unknown preset or filter name, a step count out of
-            range, a filter passed twice, unknown ``compile_kwargs`` keys.
+        GuardTrainValueError: an unknown preset or filter name; a step count out of
+            range (``warmup_steps`` below 0, ``stable_steps``, ``audit_every``,
+            ``verify_every`` or ``lookup_window`` below 1); a tolerance that is not a
+            number >= 0; ``direct_dispatch=True`` with ``use_stance=False``; a filter
+            passed twice (``guard_filter`` and ``guard_filter_fn`` in
+            ``compile_kwargs["options"]``); unknown ``compile_kwargs`` keys, or a
+            ``mode`` or inductor options with another backend; an empty ``targets``
+            list; a ``compile_cache`` that names a folder.
         GuardTrainTypeError: an argument of the wrong type.
+        TypeError: an unknown keyword argument, or a positional one.
+
+    Example:
+        >>> config = GuardConfig(preset="aggressive", warmup_steps=5, targets="blocks.*")
+        >>> config.levers.warmup_steps, config.levers.use_stance, config.targets
+        (5, True, ['blocks.*'])
     """
 
     preset: PresetName = "auto"
@@ -106,12 +144,13 @@ class GuardConfig:
     guards that tell them apart (what the stance evaluates); a call that
     fails one takes the normal path. Cost: about 1.5-2.5 µs per compiled
     call (2 µs more with several entries for a mode), against Dynamo's
-    entry path of tens of µs per frame (docs/bench.md). The entry for a mode is
-    the one that Dynamo's own guards accept for the first steady call of
-    that mode, chosen again after every boundary, audit and re-arm.
-    Refused (the summary says why) for a target with graph breaks, under
-    FSDP (``FSDPStrategy``, ``ModelParallelStrategy``, ``fully_shard``),
-    and with ``guard_collectives=True``. Needs ``use_stance``."""
+    entry path of tens of µs per frame (docs/bench.md, "Per-call costs"). The
+    entry for a mode is the one that Dynamo's own guards accept for the first
+    steady call of that mode, chosen again after every boundary, audit and re-arm.
+    A target with graph breaks runs its calls whose entry breaks with full guards
+    and the others directly, never under the stance. Refused (the summary
+    says why) under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``,
+    ``fully_shard``) and with ``guard_collectives=True``. Needs ``use_stance``."""
 
     unsafe_drop_floor: bool = False
     """do not combine the guard filter with the soundness
@@ -128,7 +167,8 @@ class GuardConfig:
     global read in ``forward`` changed, say): re-arm with its reason.
     ``None`` disables audits. Cost: one batch with full guards (tens to
     hundreds of µs of guard evaluation) and one walk over the parameters
-    per audit; at the default of 200 that is well under 1 µs per step."""
+    per audit; at the default of 200 that is well under 1 µs per step
+    (docs/bench.md, "Per-call costs")."""
 
     verify_every: int | None = None
     """every ``verify_every`` steady training batches, run the eager
@@ -136,8 +176,7 @@ class GuardConfig:
     ``no_grad``) and rebuild the target with a report when the outputs
     differ beyond ``verify_rtol``/``verify_atol``. Off by default: each
     verified batch costs one more eager forward and one copy of the
-    buffers (measured: a 24-module MLP's compiled call went from 721 to
-    1727 µs, eager backend, CPU). With inductor, random ops (dropout) in training mode draw
+    buffers. With inductor, random ops (dropout) in training mode draw
     differently from eager unless ``torch._inductor.config.fallback_random``."""
 
     verify_rtol: float = 1e-4
@@ -150,16 +189,15 @@ class GuardConfig:
     """with several processes, turn on
     ``torch.compiler.set_enable_guard_collectives`` in the training loop once
     the ranks first entered the stance together, so they agree on every
-    guard failure. Cost: one ``all_gather_object`` per compiled call (measured
-    on 2 CPU processes with gloo: about +2.6 ms per call, 15x a whole call
-    under the stance); targets are rebuilt on all ranks together, and a
+    guard failure. Cost: one ``all_gather_object`` per compiled call, many
+    times what a whole call costs under the stance; targets are rebuilt on all ranks together, and a
     stance miss (on any rank) is retried with the plain ``forward``."""
 
     compile_optimizer: bool = False
     """compile the step of the run's optimizers (``GuardTuner``'s ``optimizers``, the
     Trainer's own in Lightning) as one frame, and run it directly, below Dynamo's
-    entry path, while nothing its guards read changed (H49,
-    :mod:`guardtrain.compile.optimizer`); put back at the end of the run. Refused for
+    entry path, while nothing its guards read changed
+    (:mod:`guardtrain.compile.optimizer`); put back at the end of the run. Refused for
     ``LBFGS`` and ``differentiable=True``."""
 
     measure_lookup: bool | None = None
@@ -173,7 +211,7 @@ class GuardConfig:
     when another profiler is running. Cost, once per run: about 1 ms to
     start and stop the profiler plus about 1.5 ms per profiled compiled
     call, and calls about 12% slower inside the windows (measured on the
-    CPU; ``guardtrain.profiling``)."""
+    CPU; docs/bench.md, "Per-call costs")."""
 
     lookup_window: int = 3
     """batches per measuring window."""

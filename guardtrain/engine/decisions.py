@@ -151,6 +151,7 @@ class TargetView(Protocol):
 
     name: str
     calls: int
+    direct_allowed: bool
 
     @property
     def graph_breaks(self) -> bool: ...
@@ -171,11 +172,16 @@ def blocker(targets: Sequence[TargetView], root_label: str = "<model>") -> str |
 
     No target has compiled code; a target was called but never compiled (Dynamo
     skipped it, H18); a target has graph breaks (a miss in a resumed frame would
-    come after part of the forward ran, H4). A target at Dynamo's recompile limit may
+    come after part of the forward ran, H4) and no direct dispatch (with it, the calls
+    that an entry without a break serves run directly, the others with full guards:
+    never under the stance). A target at Dynamo's recompile limit may
     enter: a call that no entry accepts runs with full guards, uncompiled, as under
     plain compile (H5).
     """
-    views = [_Entries(t.name, t.calls, t.graph_breaks, t.cache_entries()) for t in targets]
+    views = [
+        _Entries(t.name, t.calls, t.graph_breaks and not t.direct_allowed, t.cache_entries())
+        for t in targets
+    ]
     if views and all(v.entries == 0 for v in views):
         return "no target has compiled code"
     for v in views:

@@ -17,7 +17,7 @@ tells the engine where the run is, and reads what it shows:
 No adapter reads the engine's parts (``run``, its phase machine, its Dynamo settings)
 or torch's stance; ``tests/test_contract.py`` walks their code for it. The engine
 holds its parts, each given the run's parts (:class:`~guardtrain.engine.run.Run`):
-:class:`~guardtrain.engine.batches.BatchChecks` (the checks around a batch, entry),
+:class:`~guardtrain.engine.batch_checks.BatchChecks` (the checks around a batch, entry),
 :class:`~guardtrain.engine.repairs.Repairs` (re-arms, rebuilds, the steady switch, the
 answers to the targets' reports), and the run's
 :class:`~guardtrain.engine.phases.PhaseMachine`, through which every phase change
@@ -32,17 +32,18 @@ from typing import Any, Iterable
 from torch import nn
 
 from guardtrain import versions as _versions
+from guardtrain.engine import checkpoint, summary, table, warmstart
+from guardtrain.engine import holders as _runs
 from guardtrain.engine import levers as _levers
-from guardtrain.engine import runs as _runs
-from guardtrain.engine import summary, warmstart
-from guardtrain.engine.batches import STEADY, BatchChecks
+from guardtrain.engine.batch_checks import STEADY, BatchChecks
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
 from guardtrain.engine.host import Host
 from guardtrain.engine.levers import Levers
+from guardtrain.engine.metrics import MetricsLog
 from guardtrain.engine.phases import Phase
 from guardtrain.engine.repairs import Repairs
 from guardtrain.engine.run import TRAIN, Run
-from guardtrain.engine.steps import bottom_line, step_metrics
+from guardtrain.engine.steps import bottom_line, cuda_events, step_metrics
 from guardtrain.engine.targets import Hooks, TargetSet
 
 __all__ = ["GuardEngine"]
@@ -77,7 +78,7 @@ class GuardEngine:
         """The run's parts (the engine's own: adapters read what the engine shows)."""
         self._repairs = Repairs(self.run)
         self._batches = BatchChecks(self.run, self._repairs)
-        self.metrics = summary.MetricsLog()
+        self.metrics = MetricsLog()
 
     # -- what the adapters read -------------------------------------------------------------
 
@@ -152,13 +153,13 @@ class GuardEngine:
         return summary.build(self.run, self.phase, self.compile_cache)
 
     def format_summary(self) -> str:
-        return summary.format_summary(self.summary())
+        return table.format_summary(self.summary())
 
     def state_dict(self) -> dict[str, Any]:
-        return summary.state_dict(self.summary(), self.train_batches())
+        return checkpoint.state_dict(self.summary(), self.train_batches())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.run.restored = summary.loaded(state_dict)
+        self.run.restored = checkpoint.loaded(state_dict)
 
     def config_values(self) -> dict[str, Any]:
         """The ``torch._dynamo.config`` values a run sets (after :meth:`setup`)."""
@@ -199,10 +200,10 @@ class GuardEngine:
         _runs.release_dead_runs(self._held, r.host)  # dead runs put their config back
         r.config = self._arguments.for_run(compile_kwargs)
         if self._ran:  # a later run: the summary goes on from the earlier ones
-            r.restored = summary.carried(self.summary(), self.train_batches())
+            r.restored = checkpoint.carried(self.summary(), self.train_batches())
             self._ran = False
         r.renew()
-        self.metrics = summary.MetricsLog()
+        self.metrics = MetricsLog()
         r.targets.adapter_took_over = list(took_over or ())
         if r.config.disabled:
             r.host.info(
@@ -229,7 +230,7 @@ class GuardEngine:
         )
         r.machine.use_stance = r.levers.use_stance
         if r.config.preset == "auto":
-            r.host.info(summary.auto_line(r.levers))
+            r.host.info(table.auto_line(r.levers))
 
     def activate(
         self,
@@ -260,6 +261,7 @@ class GuardEngine:
         self._ran = True
         try:
             r.targets.activate(root, resolved, r.host, r.paired())
+            r.steps.events = cuda_events(m for _, m in resolved)  # CUDA: device time
         except BaseException:
             self.restore()
             raise
@@ -293,7 +295,7 @@ class GuardEngine:
         (after :meth:`activate`; :meth:`restore` puts them back, H49)."""
         r = self.run
         if r.state.active and r.config.compile_optimizer:
-            r.optimizers.install(optimizers, r.config.compile_kwargs)
+            r.optimizers.install(optimizers, r.config.compile_kwargs, self._repairs.on_step_compile)
 
     def finish(self) -> None:
         """End the run: name targets that ran uncompiled, restore, save the compile cache
@@ -362,6 +364,8 @@ class GuardEngine:
                     or r.config.guard_collectives
                 ):
                     steady = self._batches.training_turn(loop_state, steady, check)
+                elif r.optimizers.installed:
+                    r.optimizers.full_guards(False)  # an audit's or a window's batch is over
             elif steady and r.host.sanity_checking():
                 steady = False
             if steady is not state.stance_on or check is not None:

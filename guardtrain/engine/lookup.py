@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LookupWindows"]
+__all__ = ["LookupMeter"]
 
 
 @dataclass(slots=True)
-class LookupWindows:
+class LookupMeter:
     """One run's lookup windows: the one being measured, and what the others measured."""
 
     measure: str | None = None

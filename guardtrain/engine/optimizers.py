@@ -4,7 +4,10 @@ and what ``summary()["optimizers"]`` shows.
 The adapters hand the optimizers over when the run starts (``GuardTuner``'s
 ``optimizers``, the Trainer's own in Lightning); each gets a
 :class:`~guardtrain.compile.optimizer.CompiledStep`, installed as the optimizer's
-``step`` and taken out when the run ends, also after an exception.
+``step`` by :data:`~guardtrain.engine.process.PROCESS` (which lists it while installed)
+and taken out when the run ends, also after an exception. Its compiles count as the
+targets' do; in the batches that run with full guards (the lookup window's, audits) it
+runs with full guards too, so the bottom line's saving holds the step's.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from guardtrain.compile.optimizer import CompiledStep, install, refusal, uninstall
+from guardtrain.compile.optimizer import CompiledStep, CompileHook, refusal
+from guardtrain.engine.process import PROCESS
 from guardtrain.errors import GuardTrainValueError
 
 __all__ = ["OptimizerSteps"]
@@ -28,7 +32,12 @@ class OptimizerSteps:
     installed: list[CompiledStep] = field(default_factory=list)
     """Installed for the current run."""
 
-    def install(self, optimizers: Iterable[Any], compile_kwargs: dict[str, Any]) -> None:
+    def install(
+        self,
+        optimizers: Iterable[Any],
+        compile_kwargs: dict[str, Any],
+        on_compile: CompileHook | None = None,
+    ) -> None:
         """Compile each optimizer's step (or take the one an earlier run made) and install
         it; every optimizer is checked before any is installed.
 
@@ -54,13 +63,22 @@ class OptimizerSteps:
             if step is None:
                 step = CompiledStep(opt, compile_kwargs)
                 self.steps.append(step)
-            install(step)
+            step.on_compile = on_compile
+            PROCESS.install_step(step)
             self.installed.append(step)
+
+    def full_guards(self, on: bool) -> None:
+        """Every installed step with full guards while ``on`` (a batch that runs with full
+        guards: the lookup window's, an audit)."""
+        for step in self.installed:
+            step.direct_allowed = not on
 
     def restore(self) -> None:
         """Each optimizer's own ``step`` back."""
         for step in self.installed:
-            uninstall(step)
+            step.direct_allowed = True
+            step.on_compile = None
+            PROCESS.restore_step(step)
         self.installed.clear()
 
     def summary(self) -> list[dict[str, Any]]:

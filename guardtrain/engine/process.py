@@ -20,7 +20,10 @@ piece is put back when the run that changed it ends, also after an exception:
   :meth:`ProcessState.take` records how each is given back, :meth:`ProcessState.give_back`
   gives it back. The Trainer callback holds it from the Trainer's init until its
   ``release()``, across the Trainer's runs.
-* **The runs that hold modules** (:data:`~guardtrain.engine.runs.RUNS`, H45).
+* **The runs that hold modules** (:data:`~guardtrain.engine.holders.RUNS`, H45).
+* **Compiled optimizer steps** (``compile_optimizer=True``, H49): each installed as its
+  optimizer's instance ``step`` (:meth:`ProcessState.install_step`) and put back when its
+  run ends (:meth:`ProcessState.restore_step`).
 
 :meth:`ProcessState.changed` lists what is changed now: once every run has ended and
 every take-over is given back, it is empty.
@@ -33,9 +36,11 @@ from typing import Any, Callable
 
 import torch
 
+from guardtrain.compile import optimizer as _optimizer
 from guardtrain.compile import watch as _watch
+from guardtrain.compile.optimizer import CompiledStep
 from guardtrain.compile.stances import Stances
-from guardtrain.engine.runs import RUNS, Runs
+from guardtrain.engine.holders import RUNS, Runs
 from guardtrain.errors import GuardTrainRuntimeError
 
 __all__ = ["PROCESS", "DynamoSettings", "ProcessState", "stance_is_unsafe"]
@@ -169,6 +174,14 @@ class ProcessState:
         if found is not None:
             found[1]()
 
+    def install_step(self, step: CompiledStep) -> None:
+        """Install a compiled optimizer step as its optimizer's ``step`` (H49)."""
+        _optimizer.install(step)
+
+    def restore_step(self, step: CompiledStep) -> None:
+        """Put back the optimizer's own ``step`` (or what was there before)."""
+        _optimizer.uninstall(step)
+
     def changed(self) -> list[str]:
         """Everything guardtrain has changed in the process now, by name: empty once every
         run has ended and every take-over is given back."""
@@ -182,6 +195,10 @@ class ProcessState:
         if _watch.patched():
             found.append("the change tracking's wrappers on nn.Module and nn.Parameter")
         found.extend(what for what, _ in self._taken.values())
+        found.extend(
+            f"the compiled step of a {step.name} (compile_optimizer=True)"
+            for step in _optimizer.installed_steps()
+        )
         found.extend(f"a run of {held.owner} holds {held.described()}" for held in self.runs)
         return found
 

@@ -4,7 +4,7 @@
 breaking target's parts, or switches the targets' steady calls on and off. It also
 answers what a target reports from inside a call (:class:`~guardtrain.engine.targets.Hooks`):
 a compile, a miss, a change seen before a call, ``install_free_tensors`` switched off.
-The checks (:mod:`~guardtrain.engine.checks`) say what they found; this acts on it.
+The checks (:mod:`~guardtrain.engine.findings`) say what they found; this acts on it.
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ from __future__ import annotations
 import torch
 
 from guardtrain.compile import CompiledTarget, Miss, MissReason, hand_over, use_grad_variant
+from guardtrain.compile.direct import whole
+from guardtrain.compile.trampoline import cache_entry_list
 from guardtrain.engine import breaks as _breaks
-from guardtrain.engine import checks
+from guardtrain.engine import findings
 from guardtrain.engine.changes import Action, Change
 from guardtrain.engine.handover import CHECK_WINDOW, checks_over
 from guardtrain.engine.run import TRAIN, Run
 from guardtrain.engine.targets import breaks_of, label, regions
+from guardtrain.fingerprints import hooks_changed_in
 
 __all__ = ["Repairs", "at_recompile_limit"]
 
@@ -53,6 +56,10 @@ class Repairs:
             # Dynamo's own recompile, as under plain compile: no phase hears of it (H51).
             self.run.state.handed_compiles += 1
 
+    def on_step_compile(self, name: str, reason: str | None) -> None:
+        """A compiled optimizer step compiled (H49): counted as the targets' compiles are."""
+        self.run.monitor.record(self.run.train_batches(), name, reason)
+
     def on_switch_off(self, target: CompiledTarget, why: str) -> None:
         r = self.run
         r.levers.switch_off(r.host, f"install_free_tensors for {self.label(target)!r}", why)
@@ -66,13 +73,13 @@ class Repairs:
             # rank runs: the change waits for the next boundary or audit, which every
             # rank runs together.
             return
-        found = checks.caught_change(target, r.state.swaps_parameters)
+        found = findings.caught_change(target, r.state.swaps_parameters)
         if found is not None and found[0] is Action.SWITCH:
             # Frozen or unfrozen (H42): the code of the new pattern, kept from its last
             # use, is checked like any other before it runs.
             self.caught(found[1], f"{self.label(target)}: {found[2]} ({note})")
             use_grad_variant(target)
-            found = checks.caught_change(target, r.state.swaps_parameters)
+            found = findings.caught_change(target, r.state.swaps_parameters)
         if found is None:
             return
         action, kind, reason = found
@@ -97,7 +104,7 @@ class Repairs:
         if miss.reason in _INPUT_MISSES and not r.paired() and at_recompile_limit(target):
             target.full_guard_calls += 1
             return True
-        kind, reason = checks.miss(self.label(target), miss, r.checks.checking, r.paired())
+        kind, reason = findings.miss(self.label(target), miss, r.checks.checking, r.paired())
         if kind is not None:
             self.caught(kind, reason)
         self.stop_checking()
@@ -180,7 +187,14 @@ class Repairs:
         capped = r.ledger.rebuilt(target, r.train_batches(), named)
         if capped is not None:
             repeated = r.ledger.repeated(target)
-            self.hand_over(target, f"{capped}, most often because {repeated}", repeated)
+            why = f"{capped}, most often because {repeated}"
+            if self._may_split(target):
+                # H51 confined: split when the repairs run (this may be inside its own call),
+                # so that the part that keeps changing is handed over alone.
+                r.state.splits_due.append((target, why, repeated))
+                self.rebuild(target, change)
+                return
+            self.hand_over(target, why, repeated)
             return
         if target.code.shared and len(target.code.members) > 1 and target.drifted():
             # Only this member changed its structure: it leaves the shared code,
@@ -267,6 +281,7 @@ class Repairs:
         if wait or state.repairs_due:
             state.repairs_due = True
             return
+        self._splits_due()
         due, state.breaks_due = state.breaks_due, []
         done: set[int] = set()
         for target, mine in due:
@@ -276,24 +291,47 @@ class Repairs:
                 done.add(id(target))
                 self._answer_breaks(target, mine)
 
+    def _splits_due(self) -> None:
+        """The default targets rebuilt too often, each split, or handed over whole when it
+        has no parts any more."""
+        state, installed = self.run.state, self.run.targets.installed
+        splits, state.splits_due = state.splits_due, []
+        for target, why, repeated in splits:
+            live = target.handed_over is None and any(t is target for t in installed)
+            if live and not self._split_rebuilt(target, why, repeated):
+                self.hand_over(target, why, repeated)
+
     def _answer_breaks(self, target: CompiledTarget, mine: list[_breaks.GraphBreak]) -> None:
-        """A target with graph breaks: split (default targets), or every guard kept."""
-        if self.run.config.targets is None and self._split(target, mine):
+        """A target with graph breaks: split (default targets), or every guard kept.
+
+        With direct dispatch, a default target that also has entries without a break
+        (``generate()``'s decode calls, where only the training forward breaks) is kept
+        whole: those calls run directly, the others with full guards (H4)."""
+        mixed = target.direct_allowed and (target.mixed or _has_unbroken_entry(target))
+        if self.run.config.targets is None and not mixed and self._split(target, mine):
             return
+        target.mixed = mixed  # kept whole from now on, also when the next compile breaks
         if target.code.install_free_tensors or target.code.drops_guards:
-            self._keep_every_guard(target, mine)
+            self._keep_every_guard(target, mine, mixed)
         elif target.reference is None:
             target.take_reference()
 
-    def _keep_every_guard(self, target: CompiledTarget, found: list[_breaks.GraphBreak]) -> None:
-        """A target with graph breaks that it cannot be split for: full guards, rebuilt."""
+    def _keep_every_guard(
+        self, target: CompiledTarget, found: list[_breaks.GraphBreak], mixed: bool
+    ) -> None:
+        """A target with graph breaks that it is not split for: full guards, rebuilt."""
         # The frames after a graph break run the module's own `forward`,
         # whose code other instances share (install_free_tensors there is
         # H12), and their guards name the frame's locals, which the
         # boundary re-check cannot evaluate: keep every guard there.
         target.code.keep_every_guard()
         parts = [name for name, _ in regions(target.name, target.module)]
-        hint = f"; to use the stance, compile its parts: targets={parts}" if parts else ""
+        if target.direct_allowed:
+            hint = "; its calls whose entry breaks run with full guards, the others directly" + (
+                "" if mixed or not parts else f"; or compile its parts: targets={parts}"
+            )
+        else:
+            hint = f"; to use the stance, compile its parts: targets={parts}" if parts else ""
         self.run.levers.switch_off(
             self.run.host,
             f"install_free_tensors and the guard filter for {self.label(target)!r}",
@@ -317,3 +355,54 @@ class Repairs:
         )
         self.rearm(None, f"{name}: graph break ({text}); compiling {names}")
         return True
+
+    def _may_split(self, target: CompiledTarget) -> bool:
+        """Whether a target rebuilt too often is split instead of handed over whole: a
+        default target with parts, whose code it does not share with others (their entries
+        would stay), in a run whose ranks are not paired (each rank counts its own
+        rebuilds: a split on one rank alone would break the pairing), and not already due."""
+        r = self.run
+        return (
+            r.config.targets is None
+            and not r.paired()
+            and not (target.code.shared and len(target.code.members) > 1)
+            and bool(regions(target.name, target.module))
+            and all(t is not target for t, _, _ in r.state.splits_due)
+        )
+
+    def _split_rebuilt(self, target: CompiledTarget, why: str, repeated: str) -> bool:
+        """Compile the parts of a default target rebuilt too often instead of handing it
+        over whole (H51). When the change that recurred names a submodule's hooks (a hook
+        added to the input embeddings in every step), the part that holds it is handed
+        over at once; any other recurring change rebuilds, and may hand over, only the
+        part it is in. False if ``target`` has no parts."""
+        r = self.run
+        name = self.label(target)
+        sub = hooks_changed_in(repeated)
+        names = r.targets.split(target, [], r.paired(), r.host.root_label, record=False)
+        if names is None:
+            return False
+        r.host.warn(
+            f"guardtrain: {name!r} was {why}; compiling its parts instead: {names}, so that "
+            "only the part that keeps changing runs with full guards. Pass `targets=` to "
+            "choose the regions yourself."
+        )
+        self.rearm(None, f"{name}: {why}; compiling {names}")
+        if sub is not None:
+            path = f"{target.name}.{sub}" if target.name else sub
+            for part in list(r.targets.installed):
+                if part.name in names and (path == part.name or path.startswith(part.name + ".")):
+                    self.hand_over(part, why, repeated)
+        return True
+
+
+def _has_unbroken_entry(target: CompiledTarget) -> bool:
+    """Whether some entry of ``target``'s code (of any of its variants: a ``requires_grad``
+    pattern, an autocast state) runs its whole call as one graph."""
+    if cache_entry_list is None:
+        return False
+    return any(
+        whole(e.code)
+        for code in target.code.variants.values()
+        for e in cache_entry_list(code.trampoline)
+    )

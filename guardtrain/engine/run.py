@@ -2,7 +2,7 @@
 
 The engine (:class:`~guardtrain.engine.engine.GuardEngine`) makes one :class:`Run` and
 hands it to each of its parts (:class:`~guardtrain.engine.repairs.Repairs`,
-:class:`~guardtrain.engine.batches.BatchChecks`, the summary). A new run replaces its
+:class:`~guardtrain.engine.batch_checks.BatchChecks`, the summary). A new run replaces its
 per-run fields (:meth:`GuardEngine.setup`), so every part sees the new ones. A part's
 unit test makes a :class:`Run` of fakes.
 """
@@ -14,12 +14,12 @@ from typing import Any
 
 from guardtrain.engine import levers as _levers
 from guardtrain.engine.changes import ChangeLog
-from guardtrain.engine.checks import Checks
 from guardtrain.engine.config import GuardConfig
+from guardtrain.engine.findings import Checks
 from guardtrain.engine.handover import Ledger
 from guardtrain.engine.host import Host
 from guardtrain.engine.levers import Levers
-from guardtrain.engine.lookup import LookupWindows
+from guardtrain.engine.lookup import LookupMeter
 from guardtrain.engine.optimizers import OptimizerSteps
 from guardtrain.engine.phases import Loop, PhaseMachine
 from guardtrain.engine.process import PROCESS, DynamoSettings
@@ -56,6 +56,9 @@ class RunState:
     breaks_due: list[tuple[Any, list[Any]]] = field(default_factory=list)
     """``(target, its graph breaks)`` found after a compile, acted on when the repairs
     run (at once, or after the backward when they wait, H52)."""
+    splits_due: list[tuple[Any, str, str]] = field(default_factory=list)
+    """``(target, why, the change that recurred)``: a default target rebuilt too often, split
+    into its parts when the repairs run (H51), not inside its own call where it was caught."""
     handed_compiles: int = 0
     """Compiles of targets handed over to full guards (H51): Dynamo's own recompiles,
     which no phase hears of."""
@@ -95,7 +98,7 @@ class Run:
     (:data:`~guardtrain.engine.process.PROCESS` made it)."""
     checks: Checks = field(default_factory=Checks)
     """What the checks remember."""
-    lookup: LookupWindows = field(default_factory=LookupWindows)
+    lookup: LookupMeter = field(default_factory=LookupMeter)
     """The lookup windows."""
     state: RunState = field(default_factory=RunState)
     """What the engine remembers of the run."""
@@ -129,7 +132,7 @@ class Run:
         self.dynamo = PROCESS.start_run(self.host.owner)
         self.levers = _levers.requested(self.config)
         self.targets = self.targets.next_run(self.config, self.levers)
-        self.checks, self.lookup, self.state = Checks(), LookupWindows(), RunState()
+        self.checks, self.lookup, self.state = Checks(), LookupMeter(), RunState()
         self.ledger = Ledger()
         self.steps = StepClock()
 

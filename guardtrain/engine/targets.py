@@ -228,8 +228,10 @@ class TargetSet:
         found: list[_breaks.GraphBreak],
         paired: bool,
         root_label: str,
+        record: bool = True,
     ) -> list[str] | None:
-        """Compile the parts of a breaking default target instead of it (H20).
+        """Compile the parts of a breaking default target instead of it (H20), or of one
+        rebuilt too often (H51; ``record=False``: not a graph break of the summary's).
 
         Returns the parts' names, or None when ``target`` has no parts (nothing changed).
         """
@@ -252,6 +254,8 @@ class TargetSet:
         self.names = [label(t, root_label) for t in self.installed]
         self.kept = list(self.installed)
         names = [name for name, _ in parts]
+        if not record:
+            return names
         self.graph_breaks.append(
             {
                 "target": label(target, root_label),

@@ -65,6 +65,9 @@ class Setting:
     """The adapters' ``warmup_steps``, in training steps (the HF runner multiplies by
     the model calls per step)."""
     stable_steps: int = 2
+    compile_optimizer: bool = False
+    """``--compile-optimizer``: the presets run with ``compile_optimizer=True``, plain compile
+    with PyTorch's recipe (``torch.compile(opt.step)``, the learning rate a tensor)."""
 
     @property
     def preset(self) -> str | None:
@@ -178,13 +181,38 @@ class LoopJob:
     """A plain training loop: the model, its step, and how the library's users compile it.
 
     Subclasses set :attr:`model` (what :class:`~guardtrain.GuardTuner` gets) and
-    implement :meth:`step` and :meth:`compile_plain`.
+    :attr:`opt` (with :meth:`adamw`), and implement :meth:`step` (its optimizer step
+    through :meth:`update`) and :meth:`compile_plain`.
     """
 
     model: nn.Module
+    opt: Any = None
+    """The optimizer (what ``compile_optimizer=True`` compiles)."""
     fabric: Any = None
     tuner_kwargs: dict[str, Any] | None = None
     """More arguments of :class:`~guardtrain.GuardTuner` (``targets``)."""
+    _opt_step: Any = None
+
+    def adamw(self, params: Any, lr: float, setting: Setting) -> torch.optim.Optimizer:
+        """AdamW over ``params``; with ``--compile-optimizer`` its learning rate a tensor, as
+        PyTorch's recipe for a compiled step has it (a scheduler then fills it in place)."""
+        rate: Any = torch.tensor(lr) if setting.compile_optimizer else lr
+        return torch.optim.AdamW(params, lr=rate)
+
+    def update(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward, the optimizer step (PyTorch's recipe compiles it), ``zero_grad``; the
+        loss, detached."""
+        if self.fabric is not None:
+            self.fabric.backward(loss)
+        else:
+            loss.backward()
+        (self._opt_step or self.opt.step)()
+        self.opt.zero_grad()
+        return loss.detach()
+
+    def compile_step(self, backend: str) -> None:
+        """PyTorch's recipe for the optimizer step: ``torch.compile(opt.step)``."""
+        self._opt_step = torch.compile(self.opt.step, backend=backend)
 
     def batch(self, i: int) -> Any:
         """What ``tuner.step`` gets for step ``i``."""
@@ -206,6 +234,9 @@ class LoopRunner(Runner):
         super().__init__(setting)
         self.job = job
         self.i = 0
+        extra = dict(job.tuner_kwargs or {})
+        if setting.compile_optimizer:
+            extra.update(compile_optimizer=True, optimizers=[job.opt])
         if setting.preset is not None:
             from guardtrain import GuardTuner
 
@@ -213,10 +244,12 @@ class LoopRunner(Runner):
                 job.model,
                 setting.preset,  # type: ignore[arg-type]
                 fabric=job.fabric,
-                **setting.guard_kwargs(**(job.tuner_kwargs or {})),
+                **setting.guard_kwargs(**extra),
             )
         elif setting.compiled:
             job.compile_plain(setting.backend)
+            if setting.compile_optimizer:
+                job.compile_step(setting.backend)
 
     def turn(self, settle: int, timed: int, seed: int) -> Turn:
         torch.manual_seed(seed)
@@ -436,6 +469,9 @@ class Workload:
     stable_steps: int = 2
     calls_per_step: int = 1
     """Model calls a step (the HF adapter counts calls)."""
+    framework_step: str | None = None
+    """Why ``--compile-optimizer`` does not run it (the framework owns the optimizer step),
+    or None."""
 
     def warmup(self, tiny: bool) -> tuple[int, int]:
         """The adapters' ``warmup_steps`` and ``stable_steps``, in steps (``--tiny``: 2, 1)."""

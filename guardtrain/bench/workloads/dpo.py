@@ -98,27 +98,24 @@ def _adam(model: Any) -> torch.optim.Optimizer:
 
 
 class _DPOLoop(LoopJob):
-    def __init__(self) -> None:
+    def __init__(self, setting: Setting) -> None:
         self.model = tiny_lora_llama()
-        self.opt = _adam(self.model)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = self.adamw(trained, LR, setting)
         self.data = pairs()
 
     def batch(self, i: int) -> Any:
         return _step_ids(self.data, i)
 
     def step(self, i: int) -> torch.Tensor:
-        loss = dpo_loss(self.model, _step_ids(self.data, i))
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.detach()
+        return self.update(dpo_loss(self.model, _step_ids(self.data, i)))
 
     def compile_plain(self, backend: str) -> None:
         self.model.compile(backend=backend)
 
 
 def _loop(setting: Setting) -> Runner:
-    return LoopRunner(setting, _DPOLoop())
+    return LoopRunner(setting, _DPOLoop(setting))
 
 
 # -- Lightning -------------------------------------------------------------------------------
@@ -231,6 +228,7 @@ WORKLOADS = [
         "the same DPO step as a LightningModule's training_step (automatic optimization)",
         _lightning,
         adapter="GuardTuneCallback",
+        framework_step="Lightning's step passes a closure, which PyTorch's recipe cannot compile",
         plain="self.model.compile() (the peft model)",
         requires=(*_REQUIRES, "lightning"),
     ),
@@ -239,6 +237,7 @@ WORKLOADS = [
         "the same DPO step in the HF Trainer, a compute_loss override (2 model calls a step)",
         _hf,
         adapter="GuardTrainerCallback",
+        framework_step="the HF Trainer makes and steps the optimizer itself",
         plain="model.compile() on the Trainer's model (see HFRunner)",
         requires=(*_REQUIRES, "accelerate"),
         calls_per_step=2,

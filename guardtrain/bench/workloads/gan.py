@@ -116,6 +116,7 @@ WORKLOADS = [
         "Lightning GAN, manual optimization, toggle_optimizer around each network's update",
         _build,
         adapter="GuardTuneCallback",
+        framework_step="Lightning's step passes a closure, which PyTorch's recipe cannot compile",
         plain="generator.compile(), discriminator.compile()",
         requires=("lightning",),
     ),

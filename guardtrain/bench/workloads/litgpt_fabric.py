@@ -59,7 +59,7 @@ class _FabricJob(LoopJob):
                     block.compile(backend=setting.backend)
             else:
                 model = torch.compile(model, backend=setting.backend)  # type: ignore[assignment]
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = self.adamw(model.parameters(), 1e-3, setting)
         self.model, self.opt = self.fabric.setup(model, opt)
         if regional:
             self.tuner_kwargs = {"targets": ["transformer.h.*"]}
@@ -73,11 +73,7 @@ class _FabricJob(LoopJob):
         from litgpt.utils import chunked_cross_entropy
 
         ids = self.data[i % 256]
-        loss = chunked_cross_entropy(self.model(ids[:, :-1]), ids[:, 1:])
-        self.fabric.backward(loss)
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.detach()
+        return self.update(chunked_cross_entropy(self.model(ids[:, :-1]), ids[:, 1:]))
 
     def compile_plain(self, backend: str) -> None:
         """Done in ``__init__``: litgpt compiles before ``fabric.setup``."""

@@ -1,6 +1,12 @@
-"""Plain loops with :class:`~guardtrain.GuardTuner`: autocast on every other step, RL-style
-rollouts and updates, and a ViT with gradient checkpointing. Plain compile is
-``model.compile()``.
+"""Plain loops with :class:`~guardtrain.GuardTuner`: the whole step of the bench's
+transformer, autocast on every other step, RL-style rollouts and updates, and a ViT with
+gradient checkpointing. Plain compile is ``model.compile()``.
+
+* ``step-transformer``, ``step-transformer-regional``: the bench's transformer
+  (:class:`~guardtrain.bench.models.Transformer`, 12 blocks of width 64; ``--tiny``: 2),
+  4 x 8 inputs of 16, MSE to a fixed target, AdamW with a ``LambdaLR`` schedule stepped
+  every step; compiled whole, or block by block (``targets=["blocks.*"]``, plain:
+  ``block.compile()``). With ``--compile-optimizer`` the step's largest saving left.
 
 * ``autocast-alternate``: the bench's transformer (``Linear(16, 64)``, 4 pre-norm
   blocks, 4 heads, dropout 0.1; ``--tiny``: 2 blocks) and a ``Linear(64, 1)`` head, MSE
@@ -20,6 +26,7 @@ rollouts and updates, and a ViT with gradient checkpointing. Plain compile is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,15 +42,9 @@ __all__ = ["WORKLOADS", "Policy", "Regressor", "TinyViT"]
 class _Job(LoopJob):
     """A model and AdamW; ``compile_plain`` is ``model.compile()``."""
 
-    def __init__(self, model: nn.Module, lr: float = 1e-3) -> None:
+    def __init__(self, model: nn.Module, setting: Setting, lr: float = 1e-3) -> None:
         self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
-
-    def update(self, loss: torch.Tensor) -> torch.Tensor:
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.detach()
+        self.opt = self.adamw(model.parameters(), lr, setting)
 
     def compile_plain(self, backend: str) -> None:
         self.model.compile(backend=backend)
@@ -85,9 +86,9 @@ class Policy(nn.Module):
 
 
 class _Autocast(_Job):
-    def __init__(self, tiny: bool) -> None:
+    def __init__(self, setting: Setting) -> None:
         torch.manual_seed(0)
-        super().__init__(Regressor(depth=2 if tiny else 4))
+        super().__init__(Regressor(depth=2 if setting.tiny else 4), setting)
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(64, 4, 8, 16, generator=g)
         self.y = torch.randn(64, 4, 8, 1, generator=g)
@@ -105,15 +106,48 @@ class _Autocast(_Job):
         return self.update(loss)
 
 
+# -- the whole training step of the bench's transformer -----------------------------------------
+
+
+class _WholeStep(_Job):
+    """The bench's 12-block transformer (``--tiny``: 2), MSE to a fixed target, AdamW with
+    a ``LambdaLR`` schedule stepped every step; compiled whole or block by block."""
+
+    def __init__(self, setting: Setting, regional: bool) -> None:
+        torch.manual_seed(0)
+        super().__init__(Transformer(depth=2 if setting.tiny else 12), setting)
+        self.regional = regional
+        if regional:
+            self.tuner_kwargs = {"targets": ["blocks.*"]}
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1 / (1 + 0.01 * s))
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(64, 4, 8, 16, generator=g)
+        self.y = torch.randn(64, 4, 8, 64, generator=g)
+
+    def batch(self, i: int) -> Any:
+        return self.x[i % 64]
+
+    def step(self, i: int) -> torch.Tensor:
+        loss = self.update(nn.functional.mse_loss(self.model(self.x[i % 64]), self.y[i % 64]))
+        self.schedule.step()
+        return loss
+
+    def compile_plain(self, backend: str) -> None:
+        if not self.regional:
+            return super().compile_plain(backend)
+        for block in self.model.blocks:  # type: ignore[union-attr]
+            block.compile(backend=backend)
+
+
 # -- RL: rollouts in eval mode, then an update --------------------------------------------------
 
 
 class _RL(_Job):
     OBS, ACTIONS, BATCH, ROLLOUTS = 8, 4, 16, 4
 
-    def __init__(self, tiny: bool) -> None:
+    def __init__(self, setting: Setting) -> None:
         torch.manual_seed(0)
-        super().__init__(Policy(32 if tiny else 64, self.OBS, self.ACTIONS), lr=1e-3)
+        super().__init__(Policy(32 if setting.tiny else 64, self.OBS, self.ACTIONS), setting)
         g = torch.Generator().manual_seed(1)
         self.obs = torch.randn(256, self.ROLLOUTS, self.BATCH, self.OBS, generator=g)
         self.best = torch.randn(self.OBS, self.ACTIONS, generator=g)
@@ -222,11 +256,11 @@ def vit(depth: int) -> tuple[nn.Module, str]:
 
 
 class _ViT(_Job):
-    def __init__(self, tiny: bool) -> None:
+    def __init__(self, setting: Setting) -> None:
         torch.manual_seed(0)
-        model, self.which = vit(depth=2 if tiny else 4)
+        model, self.which = vit(depth=2 if setting.tiny else 4)
         model.set_grad_checkpointing(True)  # type: ignore[operator]
-        super().__init__(model)
+        super().__init__(model, setting)
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(64, 8, 3, 32, 32, generator=g)
         self.y = torch.randint(0, 10, (64, 8), generator=g)
@@ -239,9 +273,11 @@ class _ViT(_Job):
         return self.update(loss)
 
 
-def _loop(job: type[_Job]) -> Any:
+def _loop(job: Callable[..., _Job], **kwargs: Any) -> Callable[[Setting], Runner]:
+    """A workload's ``build``: the job made for the setting, in a :class:`LoopRunner`."""
+
     def build(setting: Setting) -> Runner:
-        made = job(setting.tiny)  # type: ignore[call-arg, arg-type]
+        made = job(setting, **kwargs)
         runner = LoopRunner(setting, made)
         which = getattr(made, "which", None)
         if which is not None:
@@ -252,6 +288,20 @@ def _loop(job: type[_Job]) -> Any:
 
 
 WORKLOADS = [
+    Workload(
+        "step-transformer",
+        "the bench's 12-block transformer, MSE, AdamW with LambdaLR: the whole step",
+        _loop(_WholeStep, regional=False),
+        adapter="GuardTuner",
+        plain="model.compile()",
+    ),
+    Workload(
+        "step-transformer-regional",
+        "the same step, the model compiled block by block (targets blocks.*)",
+        _loop(_WholeStep, regional=True),
+        adapter="GuardTuner",
+        plain="block.compile() for each block",
+    ),
     Workload(
         "autocast-alternate",
         "a 4-block transformer, bf16 autocast on every other step; plain loop",

@@ -56,13 +56,14 @@ def prompts(i: int, n: int = 4, lengths: tuple[int, int] = (5, 9)) -> tuple[Any,
 
 
 class _Rollout(LoopJob):
-    def __init__(self, tiny: bool) -> None:
+    def __init__(self, setting: Setting) -> None:
         from transformers import LlamaForCausalLM
 
         torch.manual_seed(0)
-        self.model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1 if tiny else 2))
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.new_tokens = 4 if tiny else NEW_TOKENS
+        layers = 1 if setting.tiny else 2
+        self.model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers))
+        self.opt = self.adamw(self.model.parameters(), 1e-3, setting)
+        self.new_tokens = 4 if setting.tiny else NEW_TOKENS
 
     def batch(self, i: int) -> Any:
         return prompts(i)
@@ -83,18 +84,14 @@ class _Rollout(LoopJob):
             )
         model.train()
         full_mask = torch.cat([mask, torch.ones_like(out[:, ids.shape[1] :])], 1)
-        loss = model(input_ids=out, attention_mask=full_mask, labels=out).loss
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.detach()
+        return self.update(model(input_ids=out, attention_mask=full_mask, labels=out).loss)
 
     def compile_plain(self, backend: str) -> None:
         self.model.compile(backend=backend)
 
 
 def _rollout(setting: Setting) -> Runner:
-    return LoopRunner(setting, _Rollout(setting.tiny))
+    return LoopRunner(setting, _Rollout(setting))
 
 
 def _grpo(setting: Setting) -> Runner:
@@ -166,6 +163,7 @@ WORKLOADS = [
         "TRL's GRPOTrainer (use_vllm=False): 4 prompts x 4 generations of 16 tokens a step",
         _grpo,
         adapter="GuardTrainerCallback",
+        framework_step="the HF Trainer makes and steps the optimizer itself",
         plain="model.compile() on the GRPOTrainer's model (see HFRunner)",
         requires=("trl", "datasets", "tokenizers"),
         steps=8,

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from guardtrain.bench.timing import clock_of, describe
 from guardtrain.bench.workloads import dpo, gan, litgpt_fabric, loops, rollouts, trl_dpo
 from guardtrain.bench.workloads.core import PLAIN, Runner, Setting, Turn, Workload, frames, quiet
 from guardtrain.errors import GuardTrainValueError
@@ -36,7 +37,6 @@ __all__ = [
     "WORKLOADS",
     "SuiteOptions",
     "check_suite",
-    "clock_of",
     "format_checks",
     "format_suite",
     "parse_suite_configs",
@@ -68,6 +68,8 @@ class SuiteOptions:
     tiny: bool = False
     threads: int | None = 1
     progress: bool = True
+    compile_optimizer: bool = False
+    """The presets with ``compile_optimizer=True``, plain compile with PyTorch's recipe."""
 
 
 def parse_suite_configs(values: list[str] | None) -> list[str]:
@@ -177,7 +179,9 @@ class _Run:
     def build(self) -> None:
         options, plan = self.options, self.plan
         for c in self.configs:
-            setting = Setting(c, plan.backend, options.tiny, plan.warmup, plan.stable)
+            setting = Setting(
+                c, plan.backend, options.tiny, plan.warmup, plan.stable, options.compile_optimizer
+            )
             self.runners[c] = self.w.build(setting)
 
     def warm_up(self) -> None:
@@ -233,17 +237,12 @@ def _failed(w: Workload, options: SuiteOptions, out: dict[str, Any], err: Except
     _progress(options, f"{w.name}: error {out['error'][:300]}")
 
 
-def clock_of(threads: int | None) -> str:
-    """The clock whose ratios decide: the calling thread's CPU time at one torch thread
-    (the whole CPU step runs on it, and the machine's other load does not count), else
-    the wall clock (torch's other threads do part of the work)."""
-    return "cpu" if threads == 1 else "wall"
-
-
 def _run_workload(w: Workload, options: SuiteOptions, clock: str) -> dict[str, Any]:
     plan = _plan(w, options)
     out = _header(w, options, plan)
     missing = w.missing()
+    if missing is None and options.compile_optimizer and w.framework_step is not None:
+        missing = f"not with --compile-optimizer: {w.framework_step}"
     if missing is not None:
         out["skipped"] = missing
         _progress(options, f"{w.name}: skipped ({missing})")
@@ -472,7 +471,7 @@ def format_suite(data: dict[str, Any]) -> str:
             continue
         rows.extend(_cells(w, c, row) for c, row in w["configs"].items())
         notes.extend(_workload_notes(w))
-    clock = "the thread's CPU time" if data.get("clock") == "cpu" else "the wall clock"
+    clock = describe(data.get("clock", "wall"))
     head = (
         f"torch {data['torch']}, {data['threads'] or 'default'} thread(s), {data['date']}; "
         f"timed by {clock}; ms/step: median over all timed steps; /compile: median of the "

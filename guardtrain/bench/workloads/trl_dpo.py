@@ -6,8 +6,8 @@ TRL's own defaults stay (``gradient_checkpointing=True``, ``bf16`` where it appl
 for ``lr=1e-3`` (constant), ``max_length=32`` and batches of 4 pairs. With gradient
 checkpointing on, TRL switches it off and on around each reference pass and transformers
 adds one more forward hook on the input embeddings each time (H47): the model changes in
-every step, and guardtrain rebuilds a target and recompiles in every step (about 4 s a
-step here with ``aot_eager``). ``--tiny`` therefore turns gradient checkpointing off
+every step, and guardtrain rebuilds a target and recompiles in every step (even with
+``aot_eager``, each step then takes seconds). ``--tiny`` therefore turns gradient checkpointing off
 (:func:`runner` takes it as an argument). Needs ``trl``, ``peft``, ``datasets`` and
 ``tokenizers``.
 """
@@ -143,6 +143,7 @@ WORKLOADS = [
         "TRL's DPOTrainer, peft LoRA (peft_config), tokenizer built in code, TRL's defaults",
         runner,
         adapter="GuardTrainerCallback",
+        framework_step="the HF Trainer makes and steps the optimizer itself",
         plain="model.compile() on the DPOTrainer's (peft) model (see HFRunner)",
         requires=("trl", "peft", "datasets", "tokenizers"),
         inductor=(

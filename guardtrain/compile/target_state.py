@@ -16,9 +16,9 @@ from torch import nn
 from guardtrain.compile.call_mode import CallMode
 from guardtrain.compile.code import TargetCode
 from guardtrain.compile.direct import DirectEntry
+from guardtrain.compile.known_states import Flips, Kept
 from guardtrain.compile.miss import Miss
 from guardtrain.compile.polled import Polled
-from guardtrain.compile.states import Flips, Kept
 
 __all__ = ["TargetState"]
 
@@ -77,7 +77,7 @@ class TargetState(Protocol):
     """What the first event since the last check was."""
     flips: Flips
     """What the flip events keep (``requires_grad``, ``training``, plain attributes): a
-    known state may be put back (:mod:`~guardtrain.compile.states`, H46)."""
+    known state may be put back (:mod:`~guardtrain.compile.known_states`, H46)."""
     kept: Kept
     """The known states, and what makes them stale."""
     first_call: bool
@@ -96,6 +96,9 @@ class TargetState(Protocol):
     full_keys: dict[CallMode, set[tuple[Any, ...]]]
     """Argument keys per mode that an entry accepts but the stance's own choice does not
     (an entry per autocast state, H44): such calls run with full guards, or directly."""
+    break_keys: dict[CallMode, set[tuple[Any, ...]]]
+    """Argument keys per mode whose entry breaks the graph (a target with graph breaks
+    and direct dispatch): such calls run with full guards, never under the stance (H4)."""
     accepted_masked: dict[CallMode, set[tuple[Any, ...]]]
     """The same with the plain values that Dynamo's stance checks itself masked
     (:func:`~guardtrain.compile.call_mode.masked`): an int that Dynamo made dynamic."""

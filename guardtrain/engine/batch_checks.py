@@ -13,7 +13,7 @@ acted on through :class:`~guardtrain.engine.repairs.Repairs`.
 from __future__ import annotations
 
 from guardtrain.compile import CompiledTarget, grad_change, grad_moved, use_grad_variant
-from guardtrain.engine import checks, decisions
+from guardtrain.engine import decisions, findings
 from guardtrain.engine.changes import Change
 from guardtrain.engine.phases import LoopState, Phase
 from guardtrain.engine.repairs import Repairs
@@ -47,6 +47,8 @@ class BatchChecks:
             steady = self.lookup_batch(check is not None)
         elif loop_state.batches >= r.checks.next_check:
             steady = self.audit_or_verify(steady, check is not None)
+        # The compiled optimizer steps too run with full guards in such a batch (H49).
+        r.optimizers.full_guards(r.checks.audit_batch or r.lookup.measure == "full")
         if r.config.guard_collectives:
             r.dynamo.set_guard_collectives(r.paired() and r.state.entered_together)
         return steady
@@ -176,7 +178,7 @@ class BatchChecks:
         verdict = decisions.audit_verdict(compiled, unseen, blocked)
         ch.end_audit(verdict, r.machine.loops[TRAIN].batches)
         if verdict == decisions.AUDIT_REARM:
-            self.repairs.rearm(TRAIN, checks.audit_reason(r.monitor.events))
+            self.repairs.rearm(TRAIN, findings.audit_reason(r.monitor.events))
 
     # -- entry ---------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ DPO reference pass, Lightning's ``toggle_optimizer`` flips the other network's, 
 loop switches ``eval()`` and ``train()``, and autocast may be on every other step. The
 events see each flip (:mod:`guardtrain.compile.watch`), and the general check before the
 call (fingerprint, assertions, the stance's choice, a poll reset and a re-watch) cost
-about 20 ms a call on a 2-layer Llama, more than plain compile's whole step.
+more per call than plain compile's whole step (on a 2-layer Llama).
 
 A target's *state* is ``(requires_grad of its parameters, training of its modules, the
 plain attributes flips assigned, autocast)``: what the flip events keep
@@ -238,6 +238,7 @@ def swap(target: Any, key: StateKey, count: bool = True) -> bool:
     target.last_mode = found.last_mode
     target.last_decode = found.last_decode
     target.key_of = found.key_of
+    target.break_keys = {}  # of the code left: found again for this one, when it breaks
     kept.state = key
     kept.swaps += count
     return True

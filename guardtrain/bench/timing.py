@@ -1,0 +1,43 @@
+"""The bench's clocks: each timed call or step by the calling thread's CPU time and by the
+wall clock, and which of the two decides.
+
+On a shared machine the wall clock counts other processes' load: a fixed loop reads the
+same by either clock when the machine is quiet, and longer by the wall clock than by its
+CPU time with busy processes beside it. At one torch thread the whole CPU step (forward,
+backward, optimizer) runs on the calling thread, so its CPU time is the step's cost and
+decides every ratio and ``--check``; with more threads torch's pool does part of the
+work, and the wall clock decides. Every result says which (``clock``).
+
+>>> clock_of(1), clock_of(4), clock_of(None)
+('cpu', 'wall', 'wall')
+>>> describe("cpu")
+"the calling thread's CPU time"
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+__all__ = ["CLOCKS", "clock_of", "describe", "reader"]
+
+CLOCKS: dict[str, Callable[[], int]] = {
+    "cpu": time.thread_time_ns,
+    "wall": time.perf_counter_ns,
+}
+"""Each clock's reader, in nanoseconds."""
+
+
+def clock_of(threads: int | None) -> str:
+    """The clock that decides: ``cpu`` at one torch thread, else ``wall``."""
+    return "cpu" if threads == 1 else "wall"
+
+
+def describe(clock: str) -> str:
+    """How a report names ``clock``."""
+    return "the calling thread's CPU time" if clock == "cpu" else "the wall clock"
+
+
+def reader(clock: str) -> Callable[[], int]:
+    """``clock``'s reader (ns)."""
+    return CLOCKS[clock]
