@@ -116,3 +116,78 @@ def test_checks_that_cost_more_than_they_save_hand_the_target_over(preset: str) 
     assert len(s["rearms"]) <= 2, s["rearms"]
     assert 2 * CHECK_WINDOW < STEPS
     assert_restored()
+
+
+# -- a default target rebuilt too often is split first ---------------------------------------
+
+
+class HookedEmbedding(nn.Module):
+    """An embedding, then blocks; the loop adds a forward hook on the embedding every step,
+    as TRL's gradient-checkpointing switch does (H47)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.embed(x))
+
+
+def _scale(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out * 1.0
+
+
+def run_hooked(preset: str | None, steps: int = 24) -> tuple[list[torch.Tensor], Any]:
+    model = HookedEmbedding()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 16, (4, 5), generator=g) for _ in range(steps)]
+    outs: list[torch.Tensor] = []
+    tuner = guard_tuner(model, preset, audit_every=None) if preset is not None else None
+    with tuner if tuner is not None else torch.enable_grad():
+        for x in data:
+            model.embed.register_forward_hook(_scale)  # one more every step, never removed
+            with tuner.step((x,)) if tuner is not None else torch.enable_grad():
+                out = model(x)
+                out.square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            outs.append(out.detach().clone())
+    return outs, tuner.summary() if tuner is not None else None
+
+
+@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+def test_a_default_target_rebuilt_too_often_hands_over_only_its_changing_part(
+    preset: str,
+) -> None:
+    """The hook on ``embed`` rebuilds the whole model every step; at the cap the model is
+    split into its parts and ``embed`` alone, whose hooks keep changing, is handed over:
+    the blocks run steady. Every output equal to eager's."""
+    eager, _ = run_hooked(None)
+    with pytest.warns(UserWarning, match=r"'<model>' was rebuilt 3 times .* its parts instead"):
+        got, s = run_hooked(preset)
+    assert all(torch.equal(a, b) for a, b in zip(eager, got, strict=True)), "differ from eager"
+    (handed,) = s["full_guard_targets"]
+    assert handed["target"] == "embed", handed
+    assert "a forward hook was added to 'embed'" in handed["change"], handed
+    assert s["targets"] == ["embed", "blocks"], s["targets"]
+    assert s["phase"] == "steady" and s["steady_steps"] >= 8, (s["steady_steps"], s["rearms"])
+    assert_restored()
+
+
+def test_targets_given_are_handed_over_whole() -> None:
+    """With ``targets=`` the user chose the regions: no split, the target is handed over."""
+    model = HookedEmbedding()
+    tuner = guard_tuner(model, "aggressive", audit_every=None, targets=[""])
+    with pytest.warns(UserWarning, match="runs with full guards for the rest of the run"), tuner:
+        for i in range(12):
+            model.embed.register_forward_hook(_scale)
+            with tuner.step((torch.zeros(4, 5, dtype=torch.long),)):
+                model(torch.full((4, 5), i % 16)).sum().backward()
+        s = tuner.summary()
+    (handed,) = s["full_guard_targets"]
+    assert handed["target"] == "<model>", handed
+    assert s["targets"] == ["<model>"], s["targets"]
+    assert_restored()

@@ -188,10 +188,12 @@ class Repairs:
         if capped is not None:
             repeated = r.ledger.repeated(target)
             why = f"{capped}, most often because {repeated}"
-            if self._may_split(target):
+            due = any(t is target for t, _, _ in r.state.splits_due)
+            if due or self._may_split(target):
                 # H51 confined: split when the repairs run (this may be inside its own call),
                 # so that the part that keeps changing is handed over alone.
-                r.state.splits_due.append((target, why, repeated))
+                if not due:
+                    r.state.splits_due.append((target, why, repeated))
                 self.rebuild(target, change)
                 return
             self.hand_over(target, why, repeated)
@@ -360,14 +362,13 @@ class Repairs:
         """Whether a target rebuilt too often is split instead of handed over whole: a
         default target with parts, whose code it does not share with others (their entries
         would stay), in a run whose ranks are not paired (each rank counts its own
-        rebuilds: a split on one rank alone would break the pairing), and not already due."""
+        rebuilds: a split on one rank alone would break the pairing)."""
         r = self.run
         return (
             r.config.targets is None
             and not r.paired()
             and not (target.code.shared and len(target.code.members) > 1)
             and bool(regions(target.name, target.module))
-            and all(t is not target for t, _, _ in r.state.splits_due)
         )
 
     def _split_rebuilt(self, target: CompiledTarget, why: str, repeated: str) -> bool:
