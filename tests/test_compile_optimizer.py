@@ -72,6 +72,7 @@ def loop(
     side_every: int = 1,
     clip: bool = False,
     scaler: bool = False,
+    **tuner_kwargs: Any,
 ) -> tuple[list[list[torch.Tensor]], dict[str, Any] | None]:
     """``how``: ``"eager"``, ``"plain"`` (``torch.compile(opt.step)``, aot_eager) or a
     preset with ``compile_optimizer=True``. The weights after every step, the summary."""
@@ -86,7 +87,12 @@ def loop(
     tuner = None
     if how not in ("eager", "plain"):
         tuner = guard_tuner(
-            model, how, compile_kwargs=AOT, compile_optimizer=True, optimizers=[opt], **WARMUP
+            model,
+            how,
+            compile_kwargs=AOT,
+            compile_optimizer=True,
+            optimizers=[opt],
+            **{**WARMUP, **tuner_kwargs},
         )
     g = torch.Generator().manual_seed(1)
     weights = []
@@ -137,6 +143,16 @@ def compare(preset: str = "aggressive", **kwargs: Any) -> dict[str, Any]:
     (o,) = s["optimizers"]
     assert o["eager"] is None, o
     return o  # type: ignore[no-any-return]
+
+
+def test_steps_run_directly_again_after_an_audit() -> None:
+    """An audit's batch runs the step with full guards; the batches after it run it
+    directly again (the full guards are put back at the next training batch)."""
+    o = compare("aggressive", audit_every=4)
+    audits = o["full_guard_steps"] - 2  # the first two steps: no state, then its creation
+    assert audits >= 2, o
+    assert o["direct_steps"] == STEPS - o["full_guard_steps"], o
+    assert o["direct_steps"] >= STEPS - 2 - audits and o["direct_steps"] >= STEPS // 2, o
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])

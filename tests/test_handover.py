@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -79,16 +79,21 @@ class Offsets(nn.Module):
         return self.layers(x) + self.offsets[0]
 
 
-def run(preset: str | None) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
-    model = Offsets()
+def train(
+    model: nn.Module,
+    data: list[torch.Tensor],
+    change: Callable[[], None],
+    preset: str | None,
+    **kwargs: Any,
+) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
+    """SGD steps on ``data`` with ``change()`` before each, under ``preset`` (None: eager);
+    the outputs, and the summary."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randn(4, 8, generator=g) for _ in range(STEPS)]
     outs: list[torch.Tensor] = []
-    tuner = guard_tuner(model, preset, audit_every=None) if preset is not None else None
+    tuner = guard_tuner(model, preset, audit_every=None, **kwargs) if preset else None
     with tuner if tuner is not None else torch.enable_grad():
         for x in data:
-            model.offsets = [0.5]  # a new list, equal: every call checks again
+            change()
             with tuner.step((x,)) if tuner is not None else torch.enable_grad():
                 out = model(x)
                 out.square().mean().backward()
@@ -96,6 +101,17 @@ def run(preset: str | None) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
                 opt.zero_grad()
             outs.append(out.detach().clone())
     return outs, tuner.summary() if tuner is not None else None
+
+
+def run(preset: str | None) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
+    model = Offsets()
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 8, generator=g) for _ in range(STEPS)]
+
+    def new_list() -> None:
+        model.offsets = [0.5]  # a new list, equal: every call checks again
+
+    return train(model, data, new_list, preset)
 
 
 @pytest.mark.parametrize("preset", ["balanced", "aggressive"])
@@ -139,23 +155,15 @@ def _scale(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
     return out * 1.0
 
 
-def run_hooked(preset: str | None, steps: int = 24) -> tuple[list[torch.Tensor], Any]:
+def run_hooked(preset: str | None, steps: int = 24, **kwargs: Any) -> tuple[list[Any], Any]:
     model = HookedEmbedding()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, 16, (4, 5), generator=g) for _ in range(steps)]
-    outs: list[torch.Tensor] = []
-    tuner = guard_tuner(model, preset, audit_every=None) if preset is not None else None
-    with tuner if tuner is not None else torch.enable_grad():
-        for x in data:
-            model.embed.register_forward_hook(_scale)  # one more every step, never removed
-            with tuner.step((x,)) if tuner is not None else torch.enable_grad():
-                out = model(x)
-                out.square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            outs.append(out.detach().clone())
-    return outs, tuner.summary() if tuner is not None else None
+
+    def hook() -> None:
+        model.embed.register_forward_hook(_scale)  # one more every step, never removed
+
+    return train(model, data, hook, preset, **kwargs)
 
 
 @pytest.mark.parametrize("preset", ["aggressive", "turbo"])
@@ -178,15 +186,12 @@ def test_a_default_target_rebuilt_too_often_hands_over_only_its_changing_part(
 
 
 def test_targets_given_are_handed_over_whole() -> None:
-    """With ``targets=`` the user chose the regions: no split, the target is handed over."""
-    model = HookedEmbedding()
-    tuner = guard_tuner(model, "aggressive", audit_every=None, targets=[""])
-    with pytest.warns(UserWarning, match="runs with full guards for the rest of the run"), tuner:
-        for i in range(12):
-            model.embed.register_forward_hook(_scale)
-            with tuner.step((torch.zeros(4, 5, dtype=torch.long),)):
-                model(torch.full((4, 5), i % 16)).sum().backward()
-        s = tuner.summary()
+    """With ``targets=`` the user chose the regions: no split, the target is handed over;
+    every output equal to eager's."""
+    eager, _ = run_hooked(None, steps=12)
+    with pytest.warns(UserWarning, match="runs with full guards for the rest of the run"):
+        got, s = run_hooked("aggressive", steps=12, targets=[""])
+    assert all(torch.equal(a, b) for a, b in zip(eager, got, strict=True)), "differ from eager"
     (handed,) = s["full_guard_targets"]
     assert handed["target"] == "<model>", handed
     assert s["targets"] == ["<model>"], s["targets"]

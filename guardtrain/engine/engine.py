@@ -364,7 +364,7 @@ class GuardEngine:
                     or r.config.guard_collectives
                 ):
                     steady = self._batches.training_turn(loop_state, steady, check)
-                elif r.optimizers.installed:
+                elif r.optimizers.with_full_guards:
                     r.optimizers.full_guards(False)  # an audit's or a window's batch is over
             elif steady and r.host.sanity_checking():
                 steady = False

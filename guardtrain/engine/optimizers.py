@@ -31,6 +31,9 @@ class OptimizerSteps:
     """Every optimizer's compiled step, in the order first given."""
     installed: list[CompiledStep] = field(default_factory=list)
     """Installed for the current run."""
+    with_full_guards: bool = False
+    """The installed steps run with full guards (the current batch is an audit's or a
+    lookup window's)."""
 
     def install(
         self,
@@ -69,12 +72,14 @@ class OptimizerSteps:
 
     def full_guards(self, on: bool) -> None:
         """Every installed step with full guards while ``on`` (a batch that runs with full
-        guards: the lookup window's, an audit)."""
+        guards: the lookup window's, an audit); :attr:`with_full_guards` says so."""
+        self.with_full_guards = on and bool(self.installed)
         for step in self.installed:
             step.direct_allowed = not on
 
     def restore(self) -> None:
         """Each optimizer's own ``step`` back."""
+        self.with_full_guards = False
         for step in self.installed:
             step.direct_allowed = True
             step.on_compile = None
