@@ -48,6 +48,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,7 @@ __all__ = [
     "CompileMonitor",
     "LookupStats",
     "LookupWindow",
+    "compile_seconds",
     "profiler_active",
 ]
 
@@ -74,13 +76,44 @@ class CompileMonitor:
     compiles: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
     max_events: int = 100
+    by_target: Counter[str] = field(default_factory=Counter)
+    """Compiles per target, by the name the summary gives it."""
+    seconds_at_start: float | None = None
+    """Torch's compile seconds in this process when the run started compiling."""
+    seconds: float = 0.0
+    """Torch's compile seconds of the run so far, up to :meth:`stop`."""
 
-    def record(self, step: int, target: str, reason: str | None) -> None:
+    def record(self, step: int, target: str, reason: str | None, label: str = "") -> None:
         self.compiles += 1
+        self.by_target[label or target or "<root>"] += 1
         if len(self.events) < self.max_events:
             self.events.append(
                 {"step": step, "target": target or "<root>", "reason": reason or "first compile"}
             )
+
+    def start(self) -> None:
+        """The run starts: its compile seconds count from here."""
+        if self.seconds_at_start is None:
+            self.seconds_at_start = compile_seconds()
+
+    def stop(self) -> None:
+        """The run ends: its compile seconds stay as they are now."""
+        self.seconds = self.run_seconds()
+        self.seconds_at_start = None
+
+    def run_seconds(self) -> float:
+        """Torch's compile seconds (frames and backward graphs) since :meth:`start`: every
+        compile in the process meanwhile, the targets' and any other."""
+        if self.seconds_at_start is None:
+            return self.seconds
+        return self.seconds + compile_seconds() - self.seconds_at_start
+
+
+def compile_seconds() -> float:
+    """Torch's own count of the seconds this process spent compiling: Dynamo's frame
+    compiles and the backward graphs compiled on their first use (``total_wall_time``)."""
+    spent = torch._dynamo.utils.calculate_time_spent()
+    return float(spent.get("total_wall_time", 0.0))
 
 
 def profiler_active() -> bool:

@@ -99,6 +99,63 @@ def guard_tuner(model: nn.Module, preset: str = "aggressive", **kwargs: Any) -> 
     return GuardTuner(model, preset, **_test_defaults(kwargs))  # type: ignore[arg-type]
 
 
+# -- compiles against plain compile (H51) ------------------------------------------------------
+
+PLAIN_RECOMPILE_LIMIT = 64
+"""Dynamo's recompile limit in :class:`PlainCompile`'s runs: high enough that plain compile
+compiles every call it needs, where at its default (8 per frame) it would run the rest of
+a run's calls uncompiled."""
+
+
+class PlainCompile:
+    """Plain ``module.compile()`` with its frame compiles counted as guardtrain counts its
+    own: once for each frame Dynamo compiles, where it calls the guard filter (which keeps
+    every guard). ``with plain:`` raises Dynamo's recompile limit to
+    :data:`PLAIN_RECOMPILE_LIMIT` for the run, so that :attr:`compiles` is what plain
+    compile needs for the run's calls.
+
+    Usage::
+
+        plain = PlainCompile()
+        plain.compile(model, backend="aot_eager")
+        with plain:
+            train(model)
+        assert_compiles_bounded(guardtrain_summary, plain.compiles)
+    """
+
+    def __init__(self) -> None:
+        self.compiles = 0
+        self._patch: Any = None
+
+    def _keep_all(self, entries: Sequence[Any]) -> list[bool]:
+        self.compiles += 1
+        return [True] * len(entries)
+
+    def compile(self, module: nn.Module, backend: str = "aot_eager") -> None:
+        module.compile(backend=backend, options={"guard_filter_fn": self._keep_all})
+
+    def __enter__(self) -> PlainCompile:
+        self._patch = torch._dynamo.config.patch(recompile_limit=PLAIN_RECOMPILE_LIMIT)
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._patch.__exit__(*exc)
+
+
+def assert_compiles_bounded(s: dict[str, Any], plain: int, again: bool = False) -> None:
+    """guardtrain's compiles in summary ``s`` stay within the compile margin above
+    ``plain`` (:class:`PlainCompile`'s count for the same run), as its per-target counts add
+    up; without ``again`` (a run whose model never changes) nothing was compiled again."""
+    from guardtrain.engine.handover import COMPILE_MARGIN
+
+    why = (s["compiles"], plain, s["compiles_by_target"], s["compiled_again"], s["rearms"])
+    assert sum(s["compiles_by_target"].values()) == s["compiles"], why
+    assert s["compiles"] <= plain + COMPILE_MARGIN, why
+    if not again:
+        assert sum(s["compiled_again"].values()) == 0, why
+
+
 # -- the tiny models -------------------------------------------------------------------------
 
 

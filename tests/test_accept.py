@@ -67,14 +67,19 @@ def _manager(
     return manager
 
 
-def _entry(manager: Any) -> SimpleNamespace:
-    return SimpleNamespace(guard_manager=manager)
+def _whole() -> Any:
+    """An entry's code that runs its call as one graph (:func:`~guardtrain.compile.direct.whole`)."""
+    return SimpleNamespace(co_names=("__compiled_fn_1",))
 
 
-def _target() -> SimpleNamespace:
+def _entry(manager: Any, code: Any = None) -> SimpleNamespace:
+    return SimpleNamespace(guard_manager=manager, code=code or _whole())
+
+
+def _target(graph_breaks: bool = False) -> SimpleNamespace:
     """What accept.py reads and writes of a :class:`~guardtrain.compile.target_state.TargetState`."""
     return SimpleNamespace(
-        code=SimpleNamespace(trampoline=object()),
+        code=SimpleNamespace(trampoline=object(), graph_breaks=graph_breaks),
         call_scope=lambda args, kwargs: {"args": args, "kwargs": kwargs},
         checks=0,
         accepted={},
@@ -222,6 +227,21 @@ def test_a_key_the_stances_choice_accepts_is_admitted_and_remembered(cache: list
     assert _evaluations(manager) == 1
     assert _admit(target, X, 1) == ADMITTED  # remembered: no guard evaluated again
     assert _evaluations(manager) == 1
+
+
+def test_a_key_whose_stance_entry_breaks_the_graph_runs_with_full_guards(
+    cache: list[Any],
+) -> None:
+    """H4: a mixed target's call whose entry breaks the graph never runs under the stance,
+    where a miss in a resumed frame would come after part of the call ran."""
+    broken = SimpleNamespace(co_names=("__compiled_fn_1", "__resume_at_12_2"))
+    cache += [_entry(_manager(_arg(1), diff=_always), code=broken)]
+    target = _target(graph_breaks=True)
+    assert _admit(target, X, 1) == FULL_GUARDS
+    assert target.full_keys == {MODE: {_key(X, 1)}} and target.accepted.get(MODE) == set()
+    assert target.last_key is None
+    cache[0] = _entry(_manager(_arg(1), diff=_always))  # an entry that runs whole
+    assert _admit(_target(graph_breaks=True), X, 1) == ADMITTED
 
 
 def test_keys_are_remembered_per_mode(cache: list[Any]) -> None:

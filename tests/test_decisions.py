@@ -49,10 +49,10 @@ def test_leave_reason() -> None:
 
 class FakeTarget:
     def __init__(
-        self, name: str, calls: int, breaks: bool, entries: int, direct: bool = False
+        self, name: str, calls: int, breaks: bool, entries: int, mixed: bool = False
     ) -> None:
         self.name, self.calls, self.graph_breaks, self._entries = name, calls, breaks, entries
-        self.direct_allowed = direct
+        self.mixed = mixed
 
     def cache_entries(self) -> int:
         return self._entries
@@ -66,7 +66,7 @@ class FakeTarget:
         ([FakeTarget("a", 3, False, 1), FakeTarget("b", 2, False, 0)], "'b' ran uncompiled"),
         ([FakeTarget("a", 3, False, 1), FakeTarget("b", 0, False, 0)], None),  # never called
         ([FakeTarget("a", 3, True, 2)], "'a' has graph breaks"),
-        ([FakeTarget("a", 3, True, 2, direct=True)], None),  # broken entries: full guards
+        ([FakeTarget("a", 3, True, 2, mixed=True)], None),  # broken entries: full guards
         ([FakeTarget("", 3, False, 8)], None),  # at the recompile limit: misses run eagerly
         ([], None),
     ],

@@ -3,6 +3,7 @@ transitions, :class:`Repairs` and :class:`BatchChecks` on a :class:`Run` of fake
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -32,10 +33,13 @@ class FakeTarget:
         self.name, self.calls, self.graph_breaks, self._entries = name, 1, breaks, entries
         self.done: list[Any] = []
         self.params: tuple[Any, ...] = ()
-        self.code = types.SimpleNamespace(shared=False, members=[self], pattern=grads.pattern(()))
+        self.code = types.SimpleNamespace(
+            shared=False, members=[self], pattern=grads.pattern(()), live_entries=lambda: entries
+        )
         self.reference = None
         self.handed_over: str | None = None
         self.direct_allowed = False
+        self.mixed = False
 
     def set_under_stance(self, on: bool, stances: Any, keep: bool = False) -> None:
         self.done.append(("steady", on))
@@ -195,6 +199,31 @@ def test_a_caught_rebuild_rebuilds_and_rearms_every_loop(monkeypatch: pytest.Mon
     assert t.done == ["forget", "rebuild"]
     assert run.machine.rearms[0]["reason"] == "net: hooks of 'net' changed; recompiling"
     assert "loop" not in run.machine.rearms[0]  # every loop
+
+
+def test_rebuilds_count_against_the_compile_margin_then_the_target_is_confined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each rebuild counts the entries it drops (``summary()["compiled_again"]``); a rebuild
+    that would leave no room in the margin for a hand-over is not made (H51)."""
+    from guardtrain.engine.handover import COMPILE_MARGIN
+
+    t = FakeTarget("net", entries=1)
+    run = _run(t)
+    run.config = dataclasses.replace(run.config, targets=["net"])  # no split: a hand-over
+    found = (Action.REBUILD, Change.HOOKS, "a forward hook was added to 'net'")
+    monkeypatch.setattr(checks_module, "caught_change", lambda target, swaps: found)
+    handed: list[str] = []
+    monkeypatch.setattr(
+        Repairs, "hand_over", lambda self, target, why, change=None: handed.append(why)
+    )
+    repairs = Repairs(run)
+    for _ in range(COMPILE_MARGIN + 2):
+        repairs.on_change(t, "a hook")
+    rebuilds = COMPILE_MARGIN - 1  # one entry each, and room for a hand-over of one
+    assert t.done.count("rebuild") == rebuilds, t.done
+    assert run.ledger.spent["net"] == rebuilds
+    assert handed and "past the margin" in handed[0], handed
 
 
 # -- BatchChecks ---------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """A target handed over to full guards for the rest of the run (H51).
 
-* The decisions, on plain values: a rebuild count over the run and within the last
-  batches (:func:`~guardtrain.engine.handover.rebuilds_capped`), and which targets' checks
-  cost more than the guard time saved (:func:`~guardtrain.engine.handover.checks_over`).
+* The decisions, on plain values: a rebuild that would compile more entries again than
+  the compile margin allows (:func:`~guardtrain.engine.handover.rebuild_over`), and which
+  targets' checks cost more than the guard time saved
+  (:func:`~guardtrain.engine.handover.checks_over`).
 * Checks that cost more than they save: a module attribute that is assigned a new list
   on every step (not a flip: a list is no plain value) makes every call take the general
   check before it (fingerprint, assertions, re-watch), which on a small model costs far
@@ -24,26 +25,42 @@ from torch import nn
 
 from guardtrain.engine.handover import (
     CHECK_WINDOW,
-    REBUILD_LIMIT,
-    RECENT_BATCHES,
+    COMPILE_MARGIN,
     Ledger,
     checks_over,
-    rebuilds_capped,
+    rebuild_over,
 )
 
 STEPS = 96
 
 
-def test_rebuilds_are_capped_over_the_run_and_within_the_last_batches() -> None:
-    assert rebuilds_capped([5], 5) is None
-    assert rebuilds_capped([5, 30], 30) is None
-    spread = [i * RECENT_BATCHES for i in range(REBUILD_LIMIT)]  # never 3 in a window
-    assert rebuilds_capped(spread[:-1], spread[-2]) is None
-    assert rebuilds_capped(spread, spread[-1]) == f"rebuilt {REBUILD_LIMIT} times in this run"
-    assert rebuilds_capped([10, 11, 12], 12) == (
-        f"rebuilt 3 times within the last {RECENT_BATCHES} training batches"
+def test_a_rebuild_past_the_compile_margin_is_not_made() -> None:
+    """A rebuild is made while the margin holds it and a hand-over of as many entries."""
+    half = COMPILE_MARGIN // 2
+    assert rebuild_over(rebuilds=0, spent=0, dropping=0) is None  # nothing compiled yet
+    assert rebuild_over(rebuilds=0, spent=0, dropping=half) is None
+    assert rebuild_over(rebuilds=0, spent=0, dropping=half + 1) == (
+        f"a rebuild and a hand-over would compile its {half + 1} entries twice, past the "
+        f"margin of {COMPILE_MARGIN} compiles above plain compile"
     )
-    assert rebuilds_capped([1, 2, 3 + RECENT_BATCHES], 3 + RECENT_BATCHES) is None
+    assert rebuild_over(rebuilds=3, spent=COMPILE_MARGIN - 2, dropping=1) is None
+    over = rebuild_over(rebuilds=2, spent=COMPILE_MARGIN - 1, dropping=1)
+    assert over is not None and over.startswith(
+        f"rebuilt 2 times for changes, compiling {COMPILE_MARGIN - 1} entries again; "
+        "one more rebuild and a hand-over would compile 2 more"
+    ), over
+
+
+def test_the_ledger_counts_rebuilds_and_what_they_dropped() -> None:
+    ledger = Ledger()
+    assert ledger.rebuilt("net", "a hook was added", dropping=1) is None
+    ledger.dropped("net", 1)  # the rebuild, made
+    assert ledger.rebuilt("net", "a hook was added", dropping=1) is None
+    ledger.dropped("net", 1)
+    assert ledger.rebuilt("net", "a parameter was replaced", dropping=2) is not None
+    assert (ledger.rebuilds["net"], ledger.spent["net"]) == (2, 2)
+    assert ledger.repeated("net") == "a hook was added"
+    assert ledger.repeated("other") == "a change"
 
 
 def test_checks_over_hands_over_the_costliest_until_the_rest_fits() -> None:
@@ -170,11 +187,15 @@ def run_hooked(preset: str | None, steps: int = 24, **kwargs: Any) -> tuple[list
 def test_a_default_target_rebuilt_too_often_hands_over_only_its_changing_part(
     preset: str,
 ) -> None:
-    """The hook on ``embed`` rebuilds the whole model every step; at the cap the model is
-    split into its parts and ``embed`` alone, whose hooks keep changing, is handed over:
-    the blocks run steady. Every output equal to eager's."""
+    """The hook on ``embed`` rebuilds the whole model every step (one entry each time);
+    once one more rebuild would go past the compile margin the model is split into its
+    parts and ``embed`` alone, whose hooks keep changing, is handed over: the blocks run
+    steady. Every output equal to eager's."""
     eager, _ = run_hooked(None)
-    with pytest.warns(UserWarning, match=r"'<model>' was rebuilt 3 times .* its parts instead"):
+    # One entry a rebuild: rebuilt while the margin holds one more and the hand-over.
+    times = COMPILE_MARGIN - 1
+    rebuilt = rf"'<model>' was rebuilt {times} times for changes, .* its parts instead"
+    with pytest.warns(UserWarning, match=rebuilt):
         got, s = run_hooked(preset)
     assert all(torch.equal(a, b) for a, b in zip(eager, got, strict=True)), "differ from eager"
     (handed,) = s["full_guard_targets"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_restored, guard_tuner
+from helpers import PlainCompile, assert_compiles_bounded, assert_restored, guard_tuner
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -91,22 +91,44 @@ def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, sample: bo
     return out if model.config.is_encoder_decoder else out[:, ids.shape[1] :]
 
 
+def guarded_or_plain(model: nn.Module, preset: str | None, **kwargs: Any) -> tuple[Any, Any]:
+    """``(tuner, context)`` for a run under ``preset``: a :func:`guard_tuner` and itself;
+    for ``"plain"``, no tuner and a :class:`~helpers.PlainCompile` of ``model``; for None
+    (eager), neither."""
+    if preset == "plain":
+        plain = PlainCompile()
+        plain.compile(model, **AOT)
+        return None, plain
+    if preset is None:
+        return None, contextlib.nullcontext()
+    tuner = guard_tuner(model, preset, compile_kwargs=AOT, **kwargs)
+    return tuner, tuner
+
+
+def outcome(tuner: Any, context: Any) -> dict[str, Any] | None:
+    """The tuner's summary, or plain compile's compiles (``{"compiles": n}``)."""
+    if isinstance(context, PlainCompile):
+        return {"compiles": context.compiles}
+    return tuner.summary() if tuner else None
+
+
 def predict_passes(
     preset: str | None, batches: list[tuple[torch.Tensor, torch.Tensor]], sample: bool
 ) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
     """One ``generate()`` per batch, each a ``tuner.loop("predict")`` pass."""
     model = tiny_llama()
-    tuner = guard_tuner(model, preset, compile_kwargs=AOT) if preset else None
+    tuner, context = guarded_or_plain(model, preset)
     out = []
-    with tuner if tuner is not None else contextlib.nullcontext():
+    with context:
         for ids, mask in batches:
             if tuner is None:
                 out.append(generate(model, ids, mask, sample))
                 continue
             with tuner.loop("predict"), tuner.step((ids, mask)):
                 out.append(generate(model, ids, mask, sample))
-    assert_restored(model)
-    return out, tuner.summary() if tuner else None
+    if preset != "plain":
+        assert_restored(model)
+    return out, outcome(tuner, context)
 
 
 def assert_served(s: dict[str, Any], calls: int, warmup_calls: int) -> None:
@@ -133,13 +155,17 @@ def test_generate_is_served(preset: str, sample: bool) -> None:
     assert s is not None
     assert s["phases"]["predict"] == "steady", s["rearms"]
     assert_served(s, PASSES * NEW_TOKENS, 2 * NEW_TOKENS)
+    _, plain = predict_passes("plain", batches, sample)
+    assert plain is not None
+    assert_compiles_bounded(s, plain["compiles"])
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_left_padded_prompts_of_different_lengths(preset: str) -> None:
-    """Left-padded prompts of 3 to 9 tokens, sampled: the padded length changes between
-    passes (a new prefill shape, compiled once more, then symbolic)."""
-    lengths = [(3, 5, 8, 4), (6, 2, 7, 5), (9, 3, 4, 6), (5, 8, 2, 7), (7, 4, 9, 3), (4, 6, 5, 8)]
+    """Left-padded prompts of 2 to 9 tokens, sampled: the padded length changes between
+    passes (a new prefill shape, compiled once more, then symbolic): no entry per length,
+    no more compiles than plain compile's and the margin."""
+    lengths = [(3, 5, 8, 4), (6, 2, 7, 5), (9, 3, 4, 6), (5, 3, 2, 4), (7, 4, 6, 3), (4, 6, 5, 3)]
     batches = [prompts(x, seed=i) for i, x in enumerate(lengths)]
     eager, _ = predict_passes(None, batches, sample=True)
     got, s = predict_passes(preset, batches, sample=True)
@@ -149,6 +175,11 @@ def test_left_padded_prompts_of_different_lengths(preset: str) -> None:
     decode = s["decode_calls"]
     assert decode["served"] + decode["full_guards"] == PASSES * NEW_TOKENS, decode
     assert decode["served"] >= NEW_TOKENS, (decode, s["rearms"])
+    # Five padded lengths (9, 8, 7, 6, 5) and many more cache lengths: fewer entries.
+    assert s["compiles"] < len({max(x) for x in lengths}), s["compile_events"]
+    _, plain = predict_passes("plain", batches, sample=True)
+    assert plain is not None
+    assert_compiles_bounded(s, plain["compiles"])
 
 
 def tiny_t5() -> nn.Module:
@@ -204,11 +235,9 @@ def rollout_loop(preset: str | None, steps: int = 8) -> tuple[list[Any], dict[st
     window: its steps would run with full guards)."""
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tuner = None
-    if preset:
-        tuner = guard_tuner(model, preset, compile_kwargs=AOT, measure_lookup=False)
+    tuner, context = guarded_or_plain(model, preset, measure_lookup=False)
     record: list[Any] = []
-    with tuner if tuner is not None else contextlib.nullcontext():
+    with context:
         for i in range(steps):
             ids, mask = prompts((5, 8, 6, 8), seed=i)
             with tuner.step((ids, mask)) if tuner else contextlib.nullcontext():
@@ -221,8 +250,9 @@ def rollout_loop(preset: str | None, steps: int = 8) -> tuple[list[Any], dict[st
                 opt.step()
                 opt.zero_grad()
             record.append((completions, loss.item()))
-    assert_restored(model)
-    return record, tuner.summary() if tuner else None
+    if preset != "plain":
+        assert_restored(model)
+    return record, outcome(tuner, context)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -240,6 +270,9 @@ def test_rollouts_after_updates_use_the_new_weights(preset: str) -> None:
     assert s["steady_steps"] >= 3, (s["steady_steps"], s["rearms"])
     assert s["state_swaps"] >= 2 * s["steady_steps"], s["state_swaps"]
     assert s["decode_calls"]["served"] == NEW_TOKENS * s["steady_steps"], s["decode_calls"]
+    _, plain = rollout_loop("plain")
+    assert plain is not None
+    assert_compiles_bounded(s, plain["compiles"])
 
 
 # -- changes in the middle of a generation -----------------------------------------------------

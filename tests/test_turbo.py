@@ -435,7 +435,7 @@ def test_refused_with_guard_collectives_and_fsdp() -> None:
     assert single.summary()["direct_dispatch"]["on"]
 
 
-def test_a_target_whose_every_entry_breaks_runs_with_full_guards_and_is_named() -> None:
+def test_a_target_whose_every_entry_breaks_keeps_the_stance_off_and_is_named() -> None:
     class Breaking(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -458,11 +458,16 @@ def test_a_target_whose_every_entry_breaks_runs_with_full_guards_and_is_named() 
                 out = model(x)
         s = tuner.summary()
     assert torch.equal(out, eager(x))
-    assert s["steady_steps"] > 0 and s["full_guard_calls"] == s["steady_steps"]
+    # No entry to serve: every call runs with full guards, outside the steady state (H4).
+    assert s["steady_steps"] == 0 and "graph breaks" in (s["stance_blocked"] or "")
     assert s["direct_dispatch"]["calls"] == 0
     assert s["direct_dispatch"]["broken_targets"] == ["<model>"]
     assert s["direct_dispatch"]["refused_targets"] == []
-    assert "<model>: graph breaks; a call whose entry breaks" in tuner.format_summary()
+    [kept] = s["mixed_targets"]
+    assert kept["target"] == "<model>" and not kept["mixed"], kept
+    assert "<model>: Call to `torch._dynamo.graph_break()`" in tuner.format_summary()
+    assert "every call breaks, so the stance stays off" in tuner.format_summary()
+    assert s["compiled_again"] == {}, s  # nothing compiled again for the break
 
 
 def test_turbo_after_a_second_fit_keeps_counting() -> None:

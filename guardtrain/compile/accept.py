@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from guardtrain.compile.call_mode import CallMode, key_sources, masked, structure
+from guardtrain.compile.direct import whole
 from guardtrain.compile.target_state import TargetState
 from guardtrain.compile.trampoline import cache_entry_list
 from guardtrain.guardcheck import check as _guard_check
@@ -28,6 +29,7 @@ __all__ = [
     "first_accepting",
     "remember_full_guards",
     "stance_choice",
+    "stance_entry",
     "stance_pick",
 ]
 
@@ -62,9 +64,9 @@ def stance_pick(code: Any, scope: dict[str, Any]) -> Any:
     return None
 
 
-def stance_choice(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The guard manager of the entry the stance would run for this call, if its full
-    guards accept the call; else None.
+def stance_entry(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The cache entry the stance would run for this call, if its full guards accept the
+    call; else None.
 
     The stance runs the first entry (in cache order) whose *diff* guards pass; when
     that entry's full guards pass too, it is the entry Dynamo would pick with full
@@ -74,8 +76,13 @@ def stance_choice(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, 
     entry = stance_pick(target.code.trampoline, scope)
     if entry is None:
         return None
-    manager = entry.guard_manager
-    return manager if _guard_check(manager, scope) else None
+    return entry if _guard_check(entry.guard_manager, scope) else None
+
+
+def stance_choice(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The guard manager of :func:`stance_entry`'s entry, or None."""
+    entry = stance_entry(target, args, kwargs)
+    return None if entry is None else entry.guard_manager
 
 
 def accepts(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -126,11 +133,16 @@ def remember_full_guards(
     leaving the steady state (H44)."""
     if accepting_entry(target, args, kwargs) is None:
         return False
+    _remember(target, mode, key)
+    return True
+
+
+def _remember(target: TargetState, mode: CallMode, key: tuple[Any, ...]) -> None:
+    """Calls of ``mode`` with ``key`` run with full guards (until the entries change)."""
     full = target.full_keys.setdefault(mode, set())
     if len(full) >= ACCEPT_LIMIT:
         full.clear()
     full.add(key)
-    return True
 
 
 def admit(
@@ -161,9 +173,15 @@ def admit(
     full = target.full_keys.get(mode)
     if full is not None and key in full:
         return FULL_GUARDS
-    manager = stance_choice(target, args, kwargs)
-    if manager is None:
+    entry = stance_entry(target, args, kwargs)
+    if entry is None:
         return FULL_GUARDS if remember_full_guards(target, mode, key, args, kwargs) else MISSED
+    if target.code.graph_breaks and not whole(entry.code):
+        # The entry breaks the graph: under the stance a miss in a resumed frame would
+        # come after part of the call ran (H4). Calls with this key run with full guards.
+        _remember(target, mode, key)
+        return FULL_GUARDS
+    manager = entry.guard_manager
     if len(accepted) >= ACCEPT_LIMIT:
         accepted.clear()
         seen_masked.clear()

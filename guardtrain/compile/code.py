@@ -33,6 +33,7 @@ from guardtrain.compile.call_mode import (
     mode_of,
     unambiguous_modes,
 )
+from guardtrain.compile.direct import whole
 from guardtrain.compile.options import build_compile_kwargs
 from guardtrain.compile.resolve import forward_function
 from guardtrain.compile.trampoline import (
@@ -126,6 +127,14 @@ class TargetCode:
         cannot tell a training entry from an eval one (a validation call would run
         the training graph)."""
         self.graph_breaks = False
+        self.broken_modes: set[CallMode] = set()
+        """The modes in which an entry of the trampoline breaks the graph: their calls run
+        with full guards, never under the stance, whose miss in a resumed frame would come
+        after part of the call ran (H4). Calls of the other modes are served."""
+        self.own_compiles = 0
+        """Compiles of the trampoline's own frame (one entry each)."""
+        self.own_mode: CallMode | None = None
+        """The mode of the latest compile of the trampoline's own frame."""
         self.closure: tuple[types.CellType, ...] = ()
         self.keep_hooks_guard = False
         """Keep the saved-tensor-hooks guard in every compile: hooks that Dynamo
@@ -237,6 +246,7 @@ class TargetCode:
         self._training_failed = False
         self._root_entries = 0
         self.graph_breaks = False
+        self.broken_modes = set()
         self.dropped_hooks_guard = False
         self.generation += 1
         for member in self.members:
@@ -284,12 +294,22 @@ class TargetCode:
     def _track(self, entries: Sequence[Any]) -> list[bool]:
         """The guard filter Dynamo calls at each compile: filters, then records what the
         compile's guards asserted, and tells the members."""
-        keep = [bool(k) for k in self.guard_filter(entries)]
         member = self.current or self.members[0]
         code, reason = compiling_frame()
         own_frame = code is not None and code is self.trampoline
+        if code is not None and not own_frame:
+            # A frame after a graph break (the module's own `forward`, its resume
+            # functions, a function it called): code that other instances share, whose
+            # guards name that frame's locals, which no boundary re-check can evaluate.
+            # Every guard stays, so a target with graph breaks is never rebuilt for them.
+            keep = [True] * len(entries)
+        else:
+            keep = [bool(k) for k in self.guard_filter(entries)]
+        mode = mode_of(member.module)
+        if own_frame:
+            self.own_mode = mode
         self._note_frame(code, own_frame)
-        self._note_mode(mode_of(member.module), reason)
+        self._note_mode(mode, reason)
         recorded = recorded_guards(entries, keep, self.prefix, member.name, self.shared)
         recorded.extend(self._moved(entries, keep, own_frame))
         if own_frame:
@@ -319,9 +339,11 @@ class TargetCode:
                 # they asserted, and the modes they were compiled for.
                 self.modes.clear()
                 self.mode_compiles.clear()
+                self.broken_modes.clear()
                 self.assertions = []
                 self._training_failed = False
             self._root_entries = existing + 1
+            self.own_compiles += 1
 
     def _note_mode(self, mode: CallMode, reason: str | None) -> None:
         """Count a compile for ``mode``, and update the modes the stance may serve."""
@@ -332,8 +354,21 @@ class TargetCode:
         self.mode_compiles[mode] = self.mode_compiles.get(mode, 0) + 1
         modes = self.modes
         self.stance_modes = set(modes) if self._training_failed else unambiguous_modes(modes)
+        self.stance_modes -= self.broken_modes
         self.compiles += 1
         self.generation += 1
+
+    def note_entry(self) -> None:
+        """After a call that compiled an entry of the trampoline (the newest, for
+        :attr:`own_mode`): if that entry breaks the graph, calls of its mode run with full
+        guards from now on (:attr:`broken_modes`)."""
+        mode = self.own_mode
+        if cache_entry_list is None or mode is None:
+            return
+        entries = cache_entry_list(self.trampoline)
+        if entries and not whole(entries[0].code):
+            self.broken_modes.add(mode)
+            self.stance_modes.discard(mode)
 
     def _moved(self, entries: Sequence[Any], keep: list[bool], own_frame: bool) -> list[Assertion]:
         """The guards that guardtrain checks itself and the filter dropped (H31).
@@ -363,6 +398,18 @@ class TargetCode:
             for a in found:
                 moved.setdefault(a.name, a)
         return list(moved.values())
+
+    def live_entries(self) -> int:
+        """The entries a rebuild would drop: the trampoline's, of this code and of each
+        variant (a ``requires_grad`` pattern or autocast state that comes back compiles
+        again), and those of the frames after their graph breaks."""
+        if cache_entry_list is None:
+            return 0
+        return sum(
+            len(cache_entry_list(code.trampoline))
+            + sum(len(cache_entry_list(inner)) for inner in code._inner_codes)
+            for code in self.variants.values()
+        )
 
     def cache_entries(self) -> int:
         """Cache entries Dynamo holds for the trampoline (-1 when this torch cannot tell)."""

@@ -41,6 +41,7 @@ from guardtrain.compile.call_mode import (
     mode_of,
     top_saved_hooks,
 )
+from guardtrain.compile.code import TargetCode
 from guardtrain.compile.grads import pattern as grad_pattern
 from guardtrain.compile.grads import use_variant
 from guardtrain.compile.harvest import direct_entry
@@ -158,10 +159,11 @@ def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         out = _directly(target, mode, key, tensors, args, kwargs)
         if out is not _NOT_DIRECT:
             return out
-    if verdict is FULL_GUARDS or target.code.graph_breaks:
-        # Graph breaks (direct dispatch only, decisions.blocker): a call that no break-free
-        # entry serves directly runs with full guards; under the stance a miss in a
-        # resumed frame would come after part of the call ran (H4).
+    if verdict is FULL_GUARDS:
+        # An entry accepts the call, but not the one the stance would run, or one that
+        # breaks the graph (its mode is in `code.broken_modes`, or its key's entry is not
+        # whole): under the stance a miss in a resumed frame would come after part of the
+        # call ran (H4).
         return with_full_guards(target, args, kwargs)
     if target.checking and not accepts(target, args, kwargs):
         # Unseen inputs (H26): no entry's guards accept them, so the stance would
@@ -330,9 +332,9 @@ def with_full_guards(target: TargetState, args: tuple[Any, ...], kwargs: dict[st
 def guarded(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A call with Dynamo's guards (outside the stance): may trace, so
     ``install_free_tensors`` is set around it where this target uses it."""
-    if _call_mode.dispatch_mode_active():
-        # Dynamo would skip the frame and mark our code skipped for good
-        # (ModelSummary's FLOP count, H18): run this call eagerly instead.
+    if _call_mode.dispatch_mode_active() or target.uncompiled:
+        # Dynamo would skip the frame and mark our code skipped for good (ModelSummary's
+        # FLOP count, H18), or the target is about to be split (H51): run it eagerly.
         return target.bound(*args, **kwargs)
     if any_autocast() is not target.code.autocast and not target.retry_eagerly:
         autocast_switched(target, args, kwargs)  # the code of this autocast state (H44)
@@ -340,6 +342,19 @@ def guarded(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     target.decode_full_guards += carries_cache(args, kwargs)  # generate()'s calls (H53)
     code = target.code
     code.current = target
+    own = code.own_compiles
+    try:
+        return _traced(target, code, args, kwargs)
+    finally:
+        if code.own_compiles != own:
+            code.note_entry()  # does the new entry break the graph? (H4)
+
+
+def _traced(
+    target: TargetState, code: TargetCode, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """:func:`guarded`'s compiled call: ``install_free_tensors`` set around it where the
+    target uses it, for the trampoline's own frame only (H12, H23)."""
     if not code.install_free_tensors:
         return target.compiled(*args, **kwargs)
     cfg = torch._dynamo.config

@@ -114,6 +114,8 @@ class CompiledTarget:
         self.direct_allowed = False  # direct dispatch wanted (`direct_dispatch`, not refused)
         self.direct, self.direct_calls = False, 0
         self.mixed = False  # graph breaks, kept whole: broken entries with full guards (H4)
+        self.graph_breaks_reported = False  # its graph breaks were warned about
+        self.uncompiled = False  # calls run the module's own forward until a split (H51)
         self.forget_dispatch()  # the dispatch table, the accepted keys
         self.checking, self.checks = False, 0
         self.retry_eagerly = False

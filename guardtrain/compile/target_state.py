@@ -132,6 +132,9 @@ class TargetState(Protocol):
     """The first difference from eager that the current verify batch saw."""
     handed_over: str | None
     """Why this target keeps full guards for the rest of the run (H51), or None."""
+    uncompiled: bool
+    """Its calls outside the stance run the module's own ``forward``, uncompiled, until the
+    engine splits it: its entries are stale or about to be dropped (H51, H52)."""
     check_ns: int
     """Nanoseconds spent in the checks before calls after a change that was not a flip back
     to a known state: what the engine weighs against the guard time saved."""

@@ -14,6 +14,7 @@ the breaks recorded since, one per reason and place.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,15 @@ import torch
 
 from guardtrain.compile import trampoline as _trampoline
 
-__all__ = ["BreakLog", "GraphBreak", "describe", "entered", "short_path", "skipped_at_top"]
+__all__ = [
+    "BreakLog",
+    "GraphBreak",
+    "describe",
+    "entered",
+    "innermost",
+    "short_path",
+    "skipped_at_top",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TRAMPOLINE_FILE = os.path.normcase(os.path.abspath(_trampoline.__file__))
@@ -41,6 +50,9 @@ class GraphBreak:
     entered: tuple[tuple[str, str, int], ...] = ()
     """``(file, function, line)`` of each frame a guardtrain trampoline called when
     the break was traced from one (a target's ``forward``)."""
+    frames: tuple[tuple[str, str, int], ...] = ()
+    """``(file, function, line)`` of every user frame Dynamo was tracing, outermost first:
+    which modules' ``forward`` the break is in (:func:`innermost`)."""
 
     def describe(self) -> str:
         return f"{self.reason} at {self.where}" if self.where else self.reason
@@ -128,7 +140,33 @@ def _from_record(record: Any) -> GraphBreak:
     entered: tuple[tuple[str, str, int], ...] = ()
     if len(stack) > 1 and _is_trampoline(stack[0]):
         entered = ((stack[1].filename, stack[1].name, stack[1].lineno or 0),)
-    return GraphBreak(_first_line(str(record.reason)), _where(stack), entered)
+    frames = tuple((f.filename, f.name, f.lineno or 0) for f in stack if not _is_trampoline(f))
+    return GraphBreak(_first_line(str(record.reason)), _where(stack), entered, frames)
+
+
+def _in(code: Any, frame: tuple[str, str, int]) -> bool:
+    """Whether ``frame`` (file, function, line) is a frame of ``code``."""
+    file, name, line = frame
+    if code.co_filename != file or code.co_name != name:
+        return False
+    return any(line == start for _, _, start in code.co_lines())
+
+
+def innermost(breaks: list[GraphBreak], modules: list[tuple[str, Any]]) -> str | None:
+    """The name of the deepest of ``modules`` (``(name, module)``, below a target) whose own
+    ``forward`` (unwrapped from its decorators) was being traced when one of ``breaks``
+    happened; None when none was."""
+    frames = [f for b in breaks for f in b.frames]
+    best: tuple[int, str] | None = None
+    for name, module in modules:
+        forward = getattr(type(module), "forward", None)
+        code = getattr(inspect.unwrap(forward), "__code__", None) if forward else None
+        if code is None or not any(_in(code, f) for f in frames):
+            continue
+        depth = name.count(".")
+        if best is None or depth > best[0]:
+            best = (depth, name)
+    return None if best is None else best[1]
 
 
 class BreakLog:
@@ -195,7 +233,9 @@ def _one_per_place(records: list[Any]) -> list[GraphBreak]:
             known = found[places[key]]
             more = tuple(e for e in found_break.entered if e not in known.entered)
             if more:
-                found[places[key]] = GraphBreak(known.reason, known.where, known.entered + more)
+                found[places[key]] = GraphBreak(
+                    known.reason, known.where, known.entered + more, known.frames
+                )
             continue
         places[key] = len(found)
         found.append(found_break)

@@ -43,5 +43,8 @@ def carried(s: dict[str, Any], train_batches: int) -> dict[str, Any]:
         checked_calls=s["checked_calls"],
         direct_calls=s["direct_dispatch"]["calls"],
         decode_calls=s["decode_calls"],
+        compiles_by_target=s["compiles_by_target"],
+        compiled_again=s["compiled_again"],
+        compile_seconds=s["compile_seconds"],
     )
     return restored

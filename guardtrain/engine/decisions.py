@@ -151,7 +151,7 @@ class TargetView(Protocol):
 
     name: str
     calls: int
-    direct_allowed: bool
+    mixed: bool
 
     @property
     def graph_breaks(self) -> bool: ...
@@ -171,15 +171,15 @@ def blocker(targets: Sequence[TargetView], root_label: str = "<model>") -> str |
     """Why the stance must not be entered now, or None.
 
     No target has compiled code; a target was called but never compiled (Dynamo
-    skipped it, H18); a target has graph breaks (a miss in a resumed frame would
-    come after part of the forward ran, H4) and no direct dispatch (with it, the calls
-    that an entry without a break serves run directly, the others with full guards:
-    never under the stance). A target at Dynamo's recompile limit may
+    skipped it, H18); a target has graph breaks in every entry (a miss in a resumed
+    frame would come after part of the forward ran, H4). A *mixed* target, with entries
+    that run their call as one graph, may enter: calls whose entry breaks run with full
+    guards, the others steady. A target at Dynamo's recompile limit may
     enter: a call that no entry accepts runs with full guards, uncompiled, as under
     plain compile (H5).
     """
     views = [
-        _Entries(t.name, t.calls, t.graph_breaks and not t.direct_allowed, t.cache_entries())
+        _Entries(t.name, t.calls, t.graph_breaks and not t.mixed, t.cache_entries())
         for t in targets
     ]
     if views and all(v.entries == 0 for v in views):

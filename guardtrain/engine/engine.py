@@ -257,6 +257,7 @@ class GuardEngine:
         resolved = r.targets.resolve(root, root_by_default, default_targets)
         _runs.claim(self._held, root, [n for n, _ in resolved], r.host)
         r.dynamo.begin(self.config_values())
+        r.monitor.start()
         r.state.active = True
         self._ran = True
         try:
@@ -282,6 +283,7 @@ class GuardEngine:
         if not r.state.active:
             return
         r.state.active = False
+        r.monitor.stop()
         _runs.RUNS.drop(self._held)
         r.lookup.stop()
         self._repairs.stop_checking()
@@ -388,7 +390,8 @@ class GuardEngine:
         if ch.checking is not None or ch.audit_batch or ch.verify_batch or r.lookup.window:
             self._batches.end_checks(loop, compiled)
         m.batch_done(loop, compiled, state.stance_at_start and state.stance_on)
-        if compiled:
+        if compiled or state.splits_due:
+            # A compile, or a target running uncompiled until it is split (H51).
             self._repairs.after_compile(wait=backward_follows)
         if loop == TRAIN:
             if state.repairs_due:

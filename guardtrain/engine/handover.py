@@ -1,24 +1,30 @@
-"""Handing a target over to full guards: bounded rebuilds (H51) and checks that cost more
-than they save (never slower than plain compile).
+"""Handing a target over to full guards: compiles bounded by construction (H51) and checks
+that cost more than they save (never slower than plain compile).
 
-A change that makes a target's entries stale rebuilds it, and Dynamo then compiles it
-afresh: a new code object, so Dynamo's ``recompile_limit`` (8 per frame) never applies.
-A model that changes on every step (TRL switching gradient checkpointing, which adds a
-hook each time, H47) then compiles on every step for the whole run, where plain compile
-stops at the limit and runs that frame without compiling. And the check before a call
-after a change the engine has not seen before (a fingerprint walk, the assertions, a
-poll reset and a re-watch) can cost more than the guards the stance skips.
+A change that makes a target's entries stale rebuilds it, and Dynamo then compiles those
+entries again: a new code object, so Dynamo's ``recompile_limit`` (8 per frame) never
+applies. A model that changes on every step (TRL switching gradient checkpointing, which
+adds a hook each time, H47) would then compile on every step for the whole run, where
+plain compile stops at the limit and runs that frame without compiling. And the check
+before a call after a change the engine has not seen before (a fingerprint walk, the
+assertions, a poll reset and a re-watch) can cost more than the guards the stance skips.
 
-Either way the target is *handed over*: for the rest of the run it keeps every guard, no
-``install_free_tensors``, never the stance and none of guardtrain's per-call checks: it
-runs as ``torch.compile`` runs it, and Dynamo's own limit applies
+So each target has a compile margin: its rebuilds may compile again at most
+:data:`COMPILE_MARGIN` entries that it had already compiled, the compiles it makes above
+what plain compile makes for the same calls. A rebuild that would leave no room in the
+margin for a hand-over after it is not made (:func:`rebuild_over`): the target is
+confined instead, split into its parts (a
+default target, so that only the part that keeps changing is handed over) or *handed
+over*: for the rest of the run it keeps every guard, no ``install_free_tensors``, never
+the stance and none of guardtrain's per-call checks: it runs as ``torch.compile`` runs it,
+and only Dynamo's own guards and limit decide its compiles
 (:meth:`~guardtrain.compile.CompiledTarget.hand_over`). :class:`Ledger` keeps what the
-decisions read; :func:`rebuilds_capped` and :func:`checks_over` decide, on plain values.
+decisions read; :func:`rebuild_over` and :func:`checks_over` decide, on plain values.
 
->>> rebuilds_capped([2, 4, 6], 6)  # three within the last eight batches
-'rebuilt 3 times within the last 8 training batches'
->>> rebuilds_capped([1, 40, 90], 90) is None
+>>> rebuild_over(rebuilds=0, spent=0, dropping=2) is None  # 2 again, and 2 more to hand over
 True
+>>> rebuild_over(rebuilds=1, spent=2, dropping=2)
+'rebuilt once for changes, compiling 2 entries again; one more rebuild and a hand-over would compile 4 more, past the margin of 4 compiles above plain compile'
 >>> checks_over({"a": 900.0, "b": 10.0}, saving_us=200.0)
 ['a']
 """
@@ -31,37 +37,37 @@ from typing import Any
 
 __all__ = [
     "CHECK_WINDOW",
-    "REBUILD_LIMIT",
-    "RECENT_BATCHES",
-    "RECENT_REBUILDS",
+    "COMPILE_MARGIN",
     "Ledger",
     "checks_over",
-    "rebuilds_capped",
+    "rebuild_over",
 ]
 
-REBUILD_LIMIT = 8
-"""Rebuilds of one target in one run after which it is handed over: Dynamo's own
-``recompile_limit`` default, so a target never compiles afresh more often than plain
-compile would recompile one frame."""
-RECENT_BATCHES = 8
-RECENT_REBUILDS = 3
-"""A target rebuilt this many times within the last :data:`RECENT_BATCHES` training
-batches is handed over at once: a change made on every step (or every other step, when
-Dynamo's kept guards recompile in between) would otherwise compile on every step until
-:data:`REBUILD_LIMIT`."""
+COMPILE_MARGIN = 4
+"""Entries a target's rebuilds may compile again in one run: the most compiles it makes
+above what plain compile makes for the same calls. A graph break compiles nothing again
+(the frames after a break keep every guard); a change that makes the entries stale does (a
+hook added, a parameter replaced, a dropped guard's value moved)."""
 CHECK_WINDOW = 32
 """Steady training batches over which the checks' cost is compared with the saving."""
 
 
-def rebuilds_capped(batches: list[int], batch: int) -> str | None:
-    """Why a target rebuilt at the training batches ``batches`` (the last one ``batch``) is
-    handed over now, or None."""
-    if len(batches) >= REBUILD_LIMIT:
-        return f"rebuilt {len(batches)} times in this run"
-    recent = sum(1 for b in batches if b > batch - RECENT_BATCHES)
-    if recent >= RECENT_REBUILDS:
-        return f"rebuilt {recent} times within the last {RECENT_BATCHES} training batches"
-    return None
+def rebuild_over(rebuilds: int, spent: int, dropping: int) -> str | None:
+    """Why a target is confined rather than rebuilt once more, or None to rebuild it: its
+    ``rebuilds`` so far compiled ``spent`` entries again, and this one would drop
+    ``dropping`` entries, each compiled again when its call comes back. A rebuild is made
+    only while the margin holds it and a hand-over after it (which drops as many): the
+    hand-over's own compiles stay inside the margin too."""
+    if spent + 2 * dropping <= COMPILE_MARGIN:
+        return None
+    past = f"the margin of {COMPILE_MARGIN} compiles above plain compile"
+    if rebuilds == 0:
+        return f"a rebuild and a hand-over would compile its {dropping} entries twice, past {past}"
+    times = "once" if rebuilds == 1 else f"{rebuilds} times"
+    return (
+        f"rebuilt {times} for changes, compiling {spent} entries again; one more rebuild and "
+        f"a hand-over would compile {2 * dropping} more, past {past}"
+    )
 
 
 def checks_over(check_us: dict[str, float], saving_us: float) -> list[str]:
@@ -81,12 +87,15 @@ def checks_over(check_us: dict[str, float], saving_us: float) -> list[str]:
 
 @dataclass(slots=True)
 class Ledger:
-    """One run's record of what the hand-over decisions read."""
+    """One run's record of what the hand-over decisions read, by target label."""
 
-    rebuilds: dict[int, list[int]] = field(default_factory=dict)
-    """``id(target)`` -> the training batch of each change-driven rebuild."""
-    changes: dict[int, Counter[str]] = field(default_factory=dict)
-    """``id(target)`` -> what made it rebuild, counted."""
+    rebuilds: Counter[str] = field(default_factory=Counter)
+    """Each target's change-driven rebuilds."""
+    spent: Counter[str] = field(default_factory=Counter)
+    """Each target's entries that its rebuilds, splits and hand-over dropped: what
+    guardtrain made it compile again (``summary()["compiles"]["again"]``)."""
+    changes: dict[str, Counter[str]] = field(default_factory=dict)
+    """Each target's changes that rebuilt it, counted."""
     handed_over: list[dict[str, Any]] = field(default_factory=list)
     """The targets handed over: ``target``, ``why``, ``change`` (the most frequent)."""
     check_ns: dict[int, int] = field(default_factory=dict)
@@ -98,13 +107,20 @@ class Ledger:
     over: set[str] = field(default_factory=set)
     """The targets whose checks cost more than the saving in the last window."""
 
-    def rebuilt(self, target: Any, batch: int, change: str) -> str | None:
-        """Record a rebuild of ``target`` at training batch ``batch`` for ``change``; why to
-        hand it over instead (:func:`rebuilds_capped`), or None."""
-        batches = self.rebuilds.setdefault(id(target), [])
-        batches.append(batch)
-        self.changes.setdefault(id(target), Counter())[change] += 1
-        return rebuilds_capped(batches, batch)
+    def rebuilt(self, name: str, change: str, dropping: int) -> str | None:
+        """A change makes target ``name``'s entries stale, and a rebuild would drop
+        ``dropping`` of them: why to confine it instead (:func:`rebuild_over`), or None,
+        and the rebuild is counted."""
+        self.changes.setdefault(name, Counter())[change] += 1
+        over = rebuild_over(self.rebuilds[name], self.spent[name], dropping)
+        if over is None:
+            self.rebuilds[name] += 1
+        return over
+
+    def dropped(self, name: str, entries: int) -> None:
+        """A rebuild of target ``name`` (for a change, saved-tensor hooks, a hand-over)
+        dropped ``entries``: each is compiled again when its call comes back."""
+        self.spent[name] += entries
 
     def restart(self, compiles: int) -> None:
         """The cost windows start again (a compile, or out of the steady state): a check
@@ -121,7 +137,7 @@ class Ledger:
         self.over = set(over)
         return again
 
-    def repeated(self, target: Any) -> str:
-        """The change that rebuilt ``target`` most often."""
-        counted = self.changes.get(id(target))
+    def repeated(self, name: str) -> str:
+        """The change that rebuilt target ``name`` most often."""
+        counted = self.changes.get(name)
         return counted.most_common(1)[0][0] if counted else "a change"

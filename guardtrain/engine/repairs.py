@@ -51,7 +51,7 @@ class Repairs:
     # -- what targets report -----------------------------------------------------------------
 
     def on_compile(self, target: CompiledTarget, reason: str | None) -> None:
-        self.run.monitor.record(self.run.train_batches(), target.name, reason)
+        self.run.monitor.record(self.run.train_batches(), target.name, reason, self.label(target))
         if target.handed_over is not None:
             # Dynamo's own recompile, as under plain compile: no phase hears of it (H51).
             self.run.state.handed_compiles += 1
@@ -109,7 +109,9 @@ class Repairs:
             self.caught(kind, reason)
         self.stop_checking()
         self.rearm(r.state.loop, reason)
-        return not target.graph_breaks  # never in the stance with graph breaks (blocker)
+        # A retry is safe where the miss came before any of the call ran: always, but for
+        # a target whose every entry breaks (blocker keeps it out of the stance).
+        return not target.graph_breaks or target.mixed
 
     def caught(self, kind: Change, reason: str) -> None:
         """Count a change caught before a call; log the first of each kind."""
@@ -173,28 +175,42 @@ class Repairs:
         r.machine.rearm(loop, step=r.train_batches(), reason=reason, rank=r.state.rank)
 
     def rebuild(self, target: CompiledTarget, reason: str) -> None:
-        """Forget every compiled entry of ``target`` and send every loop back to warm-up."""
+        """Forget every compiled entry of ``target`` and send every loop back to warm-up;
+        the entries dropped count against its compile margin (H51)."""
+        self.run.ledger.dropped(self.label(target), target.code.live_entries())
         target.forget_reference()
+        target.uncompiled = False
         target.rebuild()
         self.rearm(None, f"{self.label(target)}: {reason}; recompiling")
 
+    def run_uncompiled(self, target: CompiledTarget, change: str) -> None:
+        """Until the repairs split it, ``target``'s calls run its own ``forward`` uncompiled
+        (its entries are stale), and every loop goes back to warm-up."""
+        target.forget_reference()
+        target.uncompiled = True
+        self.rearm(None, f"{self.label(target)}: {change}; uncompiled until it is split")
+
     def rebuild_or_leave_shared(self, target: CompiledTarget, change: str) -> None:
         """A change made ``target``'s entries stale: rebuild it (or let it leave its shared
-        code), unless it was rebuilt too often: then it is handed over (H51)."""
+        code), unless the rebuild would go past its compile margin: then it is split, or
+        handed over (H51, :func:`~guardtrain.engine.handover.rebuild_over`)."""
         r = self.run
+        name = self.label(target)
         # The change as the user knows it: a fingerprint names the target's own module `<root>`.
-        named = change.replace("'<root>'", repr(self.label(target)))
-        capped = r.ledger.rebuilt(target, r.train_batches(), named)
+        named = change.replace("'<root>'", repr(name))
+        capped = r.ledger.rebuilt(name, named, target.code.live_entries())
         if capped is not None:
-            repeated = r.ledger.repeated(target)
-            why = f"{capped}, most often because {repeated}"
+            repeated = r.ledger.repeated(name)
+            why = f"{capped}; most often because {repeated}"
             due = any(t is target for t, _, _ in r.state.splits_due)
             if due or self._may_split(target):
                 # H51 confined: split when the repairs run (this may be inside its own call),
-                # so that the part that keeps changing is handed over alone.
+                # so that the part that keeps changing is handed over alone. Its entries are
+                # stale: until then it runs uncompiled, rather than compile entries that the
+                # split drops again.
                 if not due:
                     r.state.splits_due.append((target, why, repeated))
-                self.rebuild(target, change)
+                self.run_uncompiled(target, change)
                 return
             self.hand_over(target, why, repeated)
             return
@@ -263,7 +279,8 @@ class Repairs:
     # -- graph breaks --------------------------------------------------------------------------
 
     def after_compile(self, wait: bool = False) -> None:
-        """Once per batch that compiled: fingerprints, and no free tensors across graph breaks.
+        """Once per batch that compiled (or ran a target uncompiled until its split):
+        fingerprints, graph breaks, and the splits that are due.
 
         A default target (``targets=None``) that breaks the graph is replaced by its
         parts (H20), which may break again and be split further. Warnings and the
@@ -281,6 +298,8 @@ class Repairs:
             if mine is not None:
                 state.breaks_due.append((target, mine))
         if wait or state.repairs_due:
+            # The targets run as they compiled until the backward: a checkpointed block
+            # runs its forward again there and must run what the forward ran (H52).
             state.repairs_due = True
             return
         self._splits_due()
@@ -304,44 +323,52 @@ class Repairs:
                 self.hand_over(target, why, repeated)
 
     def _answer_breaks(self, target: CompiledTarget, mine: list[_breaks.GraphBreak]) -> None:
-        """A target with graph breaks: split (default targets), or every guard kept.
+        """A target with graph breaks: split (a default target whose every entry breaks),
+        or kept whole, with nothing compiled again.
 
-        With direct dispatch, a default target that also has entries without a break
-        (``generate()``'s decode calls, where only the training forward breaks) is kept
-        whole: those calls run directly, the others with full guards (H4)."""
-        mixed = target.direct_allowed and (target.mixed or _has_unbroken_entry(target))
-        if self.run.config.targets is None and not mixed and self._split(target, mine):
+        The frames after a break keep every guard (:meth:`TargetCode._track`), so the
+        entries compiled so far stay right and are never recompiled for the break. A
+        target that also has entries without a break (``generate()``'s decode calls, where
+        only the training forward breaks) is *mixed*: calls whose entry breaks run with
+        full guards, the others under the stance or directly (H4). A target whose every
+        entry breaks keeps the stance off (:func:`~guardtrain.engine.decisions.blocker`)."""
+        mixed = target.mixed or _has_unbroken_entry(target)
+        if self._splits_at_break(target) and self._split(target, mine):
             return
+        if not target.graph_breaks_reported:
+            target.graph_breaks_reported = True
+            self._report_kept_whole(target, mine, mixed)
         target.mixed = mixed  # kept whole from now on, also when the next compile breaks
-        if target.code.install_free_tensors or target.code.drops_guards:
-            self._keep_every_guard(target, mine, mixed)
-        elif target.reference is None:
+        if target.reference is None:
             target.take_reference()
 
-    def _keep_every_guard(
+    def _splits_at_break(self, target: CompiledTarget) -> bool:
+        """Whether ``target``'s graph breaks split it: a default target with parts whose
+        every entry breaks."""
+        return (
+            self.run.config.targets is None
+            and not (target.mixed or _has_unbroken_entry(target))
+            and bool(regions(target.name, target.module))
+        )
+
+    def _report_kept_whole(
         self, target: CompiledTarget, found: list[_breaks.GraphBreak], mixed: bool
     ) -> None:
-        """A target with graph breaks that it is not split for: full guards, rebuilt."""
-        # The frames after a graph break run the module's own `forward`,
-        # whose code other instances share (install_free_tensors there is
-        # H12), and their guards name the frame's locals, which the
-        # boundary re-check cannot evaluate: keep every guard there.
-        target.code.keep_every_guard()
-        parts = [name for name, _ in regions(target.name, target.module)]
-        if target.direct_allowed:
-            hint = "; its calls whose entry breaks run with full guards, the others directly" + (
-                "" if mixed or not parts else f"; or compile its parts: targets={parts}"
-            )
+        """One warning, and a row of ``summary()["mixed_targets"]``, for a target with graph
+        breaks that is kept whole."""
+        name = self.label(target)
+        text = _breaks.describe(found) or "reason unknown"
+        parts = [part for part, _ in regions(target.name, target.module)]
+        if mixed:
+            answer = "its calls whose entry breaks run with full guards, the others steady"
         else:
-            hint = f"; to use the stance, compile its parts: targets={parts}" if parts else ""
-        self.run.levers.switch_off(
-            self.run.host,
-            f"install_free_tensors and the guard filter for {self.label(target)!r}",
-            f"it has graph breaks ({_breaks.describe(found) or 'reason unknown'}): "
-            "the frames after a break run code shared by every instance of its class, "
-            f"and their dropped guards cannot be re-checked{hint}",
+            answer = "every call breaks, so the stance stays off" + (
+                f"; to use it, compile its parts: targets={parts}" if parts else ""
+            )
+        self.run.targets.mixed.append(
+            {"target": name, "reason": text, "answer": answer, "mixed": mixed}
         )
-        self.rebuild(target, "graph breaks: full guards, no install_free_tensors")
+        self.run.host.warn(f"guardtrain: {name!r} breaks the graph ({text}); {answer} (H4).")
 
     def _split(self, target: CompiledTarget, found: list[_breaks.GraphBreak]) -> bool:
         """Compile the parts of a breaking default target instead of it; False if it has none."""

@@ -30,6 +30,9 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "phase": phase,
         "phases": {str(loop): str(m.phase(loop)) for loop in m.loops},
         "compiles": e.monitor.compiles + r.get("compiles", 0),
+        "compiles_by_target": _added(r.get("compiles_by_target", {}), e.monitor.by_target),
+        "compiled_again": _added(r.get("compiled_again", {}), e.ledger.spent),
+        "compile_seconds": round(r.get("compile_seconds", 0.0) + e.monitor.run_seconds(), 3),
         "rearms": list(r.get("rearms", []))
         + list(m.rearms if run.all_rearms is None else run.all_rearms),
         "warmup_steps_taken": m.warmup_steps_taken + r.get("warmup_steps_taken", 0),
@@ -62,10 +65,19 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "checked_batches": e.checks.checked_batches + r.get("checked_batches", 0),
         "checked_calls": e.checks.checked_calls + r.get("checked_calls", 0),
         "graph_breaks": [dict(b) for b in ts.graph_breaks],
+        "mixed_targets": [dict(m) for m in ts.mixed],
         "disabled": e.config.disabled,
         "compile_cache": warmstart.summary(compile_cache),
         "optimizers": e.optimizers.summary(),
     }
+
+
+def _added(earlier: dict[str, int], now: dict[str, int]) -> dict[str, int]:
+    """Counts per name: an earlier run's and this run's, added."""
+    total = dict(earlier)
+    for name, n in now.items():
+        total[name] = total.get(name, 0) + n
+    return total
 
 
 def _caught(e: Run) -> dict[str, dict[str, Any]]:

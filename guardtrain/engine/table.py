@@ -25,7 +25,7 @@ def format_summary(s: dict[str, Any]) -> str:
         + ")",
         f"  warm-up steps    {s['warmup_steps_taken']}",
         f"  steady steps     {s['steady_steps']}",
-        f"  compiles         {s['compiles']}",
+        f"  compiles         {_compiles(s)}",
         f"  re-arms          {len(s['rearms'])}",
     ]
     if s.get("checked_batches"):
@@ -50,6 +50,21 @@ def format_summary(s: dict[str, Any]) -> str:
     lines += _code_lines(s)
     lines += _state_lines(s)
     return "\n".join(lines)
+
+
+def _compiles(s: dict[str, Any]) -> str:
+    """The compiles, per target where there are several, the compiles that guardtrain's
+    rebuilds made again (its margin over plain compile), and torch's compile seconds."""
+    text = str(s["compiles"])
+    per = s.get("compiles_by_target") or {}
+    if len(per) > 1:
+        text += " (" + ", ".join(f"{name} {n}" for name, n in per.items()) + ")"
+    again = sum((s.get("compiled_again") or {}).values())
+    if again:
+        text += f"; {again} compiled again after changes"
+    if s.get("compile_seconds") is not None:
+        text += f"; {s['compile_seconds']:.1f} s compiling"
+    return text
 
 
 def _step_lines(s: dict[str, Any]) -> list[str]:
@@ -87,8 +102,6 @@ def _direct_lines(direct: dict[str, Any]) -> list[str]:
         lines = [f"  direct dispatch  refused: {direct.get('refused')}"]
     for t in direct.get("refused_targets", []):
         lines.append(f"    not for {t['target']}: {t['why']}")
-    for name in direct.get("broken_targets", []):
-        lines.append(f"    {name}: graph breaks; a call whose entry breaks runs with full guards")
     return lines
 
 
@@ -117,6 +130,8 @@ def _code_lines(s: dict[str, Any]) -> list[str]:
             f"  graph break      {b['target']}: {b['reason']}{where}; "
             f"compiled its parts {', '.join(b['regions'])}"
         )
+    for m in s.get("mixed_targets", []):
+        lines.append(f"  graph break      {m['target']}: {m['reason']}; kept whole: {m['answer']}")
     for group in s.get("shared_code", []):
         names = group["targets"]
         lines.append(

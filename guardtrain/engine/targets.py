@@ -29,7 +29,15 @@ from guardtrain.engine.config import GuardConfig
 from guardtrain.engine.host import Host
 from guardtrain.engine.levers import Levers
 
-__all__ = ["Hooks", "TargetSet", "breaks_of", "fully_sharded", "label", "regions"]
+__all__ = [
+    "Hooks",
+    "TargetSet",
+    "breaks_of",
+    "fully_sharded",
+    "label",
+    "regions",
+    "regions_toward",
+]
 
 
 def label(target: CompiledTarget, root_label: str) -> str:
@@ -70,6 +78,9 @@ class TargetSet:
     """What the adapter took over (the Trainer's ``torch_compile``, with backend and mode)."""
     graph_breaks: list[dict[str, Any]] = field(default_factory=list)
     """Default targets split into their parts because they broke the graph (H20)."""
+    mixed: list[dict[str, Any]] = field(default_factory=list)
+    """Targets with graph breaks kept whole: ``target``, ``reason``, ``answer``, ``mixed``
+    (whether some of its calls run as one graph, H4)."""
     break_log: _breaks.BreakLog = field(default_factory=_breaks.BreakLog)
     """Dynamo's graph-break records read so far (reasons with file and line)."""
     direct_refused_targets: list[dict[str, str]] = field(default_factory=list)
@@ -235,7 +246,7 @@ class TargetSet:
 
         Returns the parts' names, or None when ``target`` has no parts (nothing changed).
         """
-        parts = regions(target.name, target.module)
+        parts = regions_toward(target.name, target.module, found)
         if not parts:
             return None
         if not target.detach():  # the last user of its code (the others split in this pass)
@@ -300,6 +311,34 @@ def fully_sharded(module: nn.Module) -> str | None:
         if isinstance(sub, FSDPModule):
             return type(sub).__name__ + (f" ({name})" if name else "")
     return None
+
+
+def regions_toward(
+    name: str, module: nn.Module, found: list[_breaks.GraphBreak]
+) -> list[tuple[str, nn.Module]]:
+    """The parts of a target ``module`` that broke the graph (``found``): down to the
+    deepest submodule whose ``forward`` the break is in (:func:`~guardtrain.engine.breaks.
+    innermost`), which becomes a part, and beside the path the other parts of each module
+    on it; without such a submodule, :func:`regions`. One split, one re-arm, where
+    splitting level by level re-armed once per level (a break inside a checkpointed layer
+    of a Llama with ``kernels``: three)."""
+    below = [(f"{name}.{n}" if name else n, m) for n, m in module.named_modules() if n]
+    deepest = _breaks.innermost(found, below) if found else None
+    if deepest is None:
+        return regions(name, module)
+    path = {id(m) for n, m in below if deepest == n or deepest.startswith(n + ".")}
+    target = next(m for n, m in below if n == deepest)
+
+    def toward(part_name: str, part: nn.Module) -> list[tuple[str, nn.Module]]:
+        parts: list[tuple[str, nn.Module]] = []
+        for child_name, child in regions(part_name, part):
+            if child is not target and id(child) in path:
+                parts.extend(toward(child_name, child))
+            else:
+                parts.append((child_name, child))
+        return parts
+
+    return toward(name, module) or regions(name, module)
 
 
 def regions(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -30,6 +30,7 @@ from guardtrain.bench.timing import clock_of, describe
 from guardtrain.bench.workloads import dpo, gan, litgpt_fabric, loops, rollouts, trl_dpo
 from guardtrain.bench.workloads.core import PLAIN, Runner, Setting, Turn, Workload, frames, quiet
 from guardtrain.errors import GuardTrainValueError
+from guardtrain.profiling import compile_seconds
 
 __all__ = [
     "DEFAULT_CONFIGS",
@@ -173,7 +174,9 @@ class _Run:
         self.configs = options.configs
         self.runners: dict[str, Runner] = {}
         self.turns: dict[str, list[Turn]] = {c: [] for c in self.configs}
-        self.compiles = {c: {"warmup": 0, "rounds": 0} for c in self.configs}
+        self.compiles: dict[str, dict[str, float]] = {
+            c: {"warmup": 0, "rounds": 0, "seconds": 0.0} for c in self.configs
+        }
         self.warm_s: dict[str, float] = {}
 
     def build(self) -> None:
@@ -188,10 +191,11 @@ class _Run:
         """One untimed turn per configuration (its compiles happen here)."""
         plan = self.plan
         for c in self.configs:
-            before, start = frames(), time.perf_counter()
+            before, seconds, start = frames(), compile_seconds(), time.perf_counter()
             self.runners[c].turn(plan.settle, min(plan.steps, 8), seed=0)
             self.warm_s[c] = round(time.perf_counter() - start, 2)
             self.compiles[c]["warmup"] = frames() - before
+            self.compiles[c]["seconds"] += compile_seconds() - seconds
             message = f"{c} warmed up in {self.warm_s[c]} s ({plan.backend})"
             _progress(self.options, f"{self.w.name}: {message}")
 
@@ -201,9 +205,10 @@ class _Run:
         for r in range(repeats):
             k = r % len(self.configs)
             for c in self.configs[k:] + self.configs[:k]:
-                before = frames()
+                before, seconds = frames(), compile_seconds()
                 self.turns[c].append(self.runners[c].turn(plan.settle, plan.steps, seed=r + 1))
                 self.compiles[c]["rounds"] += frames() - before
+                self.compiles[c]["seconds"] += compile_seconds() - seconds
             _progress(self.options, f"{self.w.name}: round {r + 1}/{repeats} done")
 
     def measure(self) -> list[str]:
@@ -218,7 +223,7 @@ class _Run:
     def notes(self) -> dict[str, list[str]]:
         """Each configuration's notes, with one for a configuration that ran eagerly."""
         for c in self.configs:
-            if c != "eager" and not sum(self.compiles[c].values()):
+            if c != "eager" and not (self.compiles[c]["warmup"] + self.compiles[c]["rounds"]):
                 self.runners[c].notes.append(
                     "no Dynamo frame compiled: this configuration ran eagerly"
                 )
@@ -284,7 +289,7 @@ def _median_ms(times: list[float]) -> float:
 
 
 def _row(
-    turns: list[Turn], compiles: dict[str, int], summary: dict[str, Any] | None, clock: str
+    turns: list[Turn], compiles: dict[str, float], summary: dict[str, Any] | None, clock: str
 ) -> dict[str, Any]:
     """One configuration's figures, from its turns: ``median_ms`` and ``round_ms`` by the
     deciding ``clock``, ``wall_ms`` and ``cpu_ms`` (medians) by each."""
@@ -293,7 +298,11 @@ def _row(
         **_clocked(turns, clock),
         "timed": sum(len(turn.times) for turn in turns),
         "steady_timed": sum(s for turn in turns for s in turn.steady),
-        "dynamo_compiles": compiles,
+        "dynamo_compiles": {
+            "warmup": int(compiles["warmup"]),
+            "rounds": int(compiles["rounds"]),
+            "seconds": round(compiles["seconds"], 2),
+        },
         "last_loss": last_loss,
         "steps_per_turn": [len(turn.losses) for turn in turns],
     }
@@ -329,7 +338,7 @@ def _compare(row: dict[str, Any], plain: dict[str, Any]) -> None:
 def _stats(
     configs: list[str],
     turns: dict[str, list[Turn]],
-    compiles: dict[str, dict[str, int]],
+    compiles: dict[str, dict[str, float]],
     summaries: dict[str, dict[str, Any] | None],
     clock: str,
 ) -> dict[str, Any]:
@@ -366,6 +375,8 @@ def facts(s: dict[str, Any]) -> dict[str, Any]:
     return {
         "phase": s["phase"],
         "compiles": s["compiles"],
+        "compiles_by_target": dict(s["compiles_by_target"]),
+        "compiled_again": sum(s["compiled_again"].values()),
         "steady_steps": s["steady_steps"],
         "warmup_steps_taken": s["warmup_steps_taken"],
         "rearms": len(s["rearms"]),
@@ -391,6 +402,7 @@ HEADER = (
     "/compile [rounds]",
     "steady",
     "compiles",
+    "compile s",
     "rearms",
     "full-guard",
     "direct",
@@ -426,7 +438,8 @@ def _cells(w: dict[str, Any], c: str, row: dict[str, Any]) -> list[str]:
         steady = f"{row['steady_timed']}/{row['timed']}"
         counts = [str(s[k]) for k in ("rearms", "full_guard_calls", "direct_calls")] + [caught]
     head = [w["workload"], w["backend"], c, f"{row['median_ms']:.2f}", _ratio(row), steady]
-    return [*head, f"{dyn['warmup']}+{dyn['rounds']}", *counts, _losses(row)]
+    seconds = f"{dyn.get('seconds', 0.0):.1f}"
+    return [*head, f"{dyn['warmup']}+{dyn['rounds']}", seconds, *counts, _losses(row)]
 
 
 def _not_run(w: dict[str, Any]) -> str | None:
@@ -476,7 +489,8 @@ def format_suite(data: dict[str, Any]) -> str:
         f"torch {data['torch']}, {data['threads'] or 'default'} thread(s), {data['date']}; "
         f"timed by {clock}; ms/step: median over all timed steps; /compile: median of the "
         "per-round ratios to plain compile [min-max]; steady: timed steps guardtrain ran "
-        "steady; compiles: Dynamo frames compiled in warm-up + rounds"
+        "steady; compiles: Dynamo frames compiled in warm-up + rounds; compile s: torch's "
+        "compile seconds (frames and backward graphs) in them"
     )
     return "\n".join([head, "", *_aligned(rows), *([""] if notes else []), *notes])
 
