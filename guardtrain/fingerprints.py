@@ -1,17 +1,43 @@
 """Module fingerprints: what guards assume about a module that a dropped guard would not see.
 
 :func:`module_fingerprint` is taken at loop and epoch boundaries and audits;
-:func:`fingerprint_change` names the first difference between two of them.
+:func:`fingerprint_change` returns the first difference between two of them as a
+:class:`ModuleChange`: data (what kind of row, whose), with its words for people.
 """
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-__all__ = ["fingerprint_change", "hooks_changed_in", "module_fingerprint"]
+__all__ = ["ModuleChange", "fingerprint_change", "module_fingerprint"]
+
+ROOT = "<root>"
+"""How a fingerprint names the fingerprinted module itself (its own hooks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleChange:
+    """The first difference between two fingerprints."""
+
+    row: str
+    """The kind of row that changed: ``"hooks"``, ``"parameter"``, ``"buffer"`` or
+    ``"order"`` (the same tensors in another order)."""
+    name: str
+    """Whose: the submodule (hooks; :data:`ROOT` for the module itself) or the tensor, by
+    its path in the fingerprinted module."""
+    detail: str
+    """What changed, in words (``a forward hook was added to 'embed'``)."""
+
+    @property
+    def hooks_of(self) -> str | None:
+        """The submodule whose hooks changed, or None (another row, or the module's own)."""
+        return self.name if self.row == "hooks" and self.name != ROOT else None
+
+    def __str__(self) -> str:
+        return self.detail
 
 
 _HOOK_DICTS = (
@@ -87,7 +113,7 @@ def _hook_row(prefix: str, sub: nn.Module) -> tuple[Any, ...]:
     dicts = [getattr(sub, attr, None) for attr in _HOOK_DICTS]
     return (
         "hooks",
-        prefix or "<root>",
+        prefix or ROOT,
         tuple(tuple(id(h) for h in d.values()) if d else () for d in dicts),
     )
 
@@ -115,33 +141,23 @@ def _hooks_change(name: str, before: tuple[Any, ...] | None, row: tuple[Any, ...
     return f"hooks of {name!r} changed"
 
 
-_HOOKS_OF = re.compile(r"^(?:a .* was (?:added to|removed from)|hooks of) '([^']+)'")
-
-
-def hooks_changed_in(change: str) -> str | None:
-    """The submodule (a path relative to the fingerprinted module) whose hooks ``change``,
-    as :func:`fingerprint_change` words it, says changed; None for any other change."""
-    found = _HOOKS_OF.match(change)
-    return None if found is None or found.group(1) == "<root>" else found.group(1)
-
-
-def fingerprint_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str | None:
-    """Describe the first difference between two :func:`module_fingerprint` values."""
+def fingerprint_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> ModuleChange | None:
+    """The first difference between two :func:`module_fingerprint` values, or None."""
     if old == new:
         return None
     old_by_name = {(r[0], r[1]): r for r in old}
     new_by_name = {(r[0], r[1]): r for r in new}
     for key, row in new_by_name.items():
         before = old_by_name.get(key)
-        change = _row_change(key, before, row)
-        if change is not None:
-            return change
-    for key in old_by_name:
-        if key not in new_by_name:
-            if key[0] == "hooks":
-                return f"hooks of {key[1]!r} were removed"
-            return f"{key[0]} {key[1]!r} was removed"
-    return "parameters or buffers were reordered"
+        detail = _row_change(key, before, row)
+        if detail is not None:
+            return ModuleChange(key[0], key[1], detail)
+    for kind, name in old_by_name:
+        if (kind, name) not in new_by_name:
+            if kind == "hooks":
+                return ModuleChange(kind, name, f"hooks of {name!r} were removed")
+            return ModuleChange(kind, name, f"{kind} {name!r} was removed")
+    return ModuleChange("order", "", "parameters or buffers were reordered")
 
 
 #: The fields of a parameter or buffer row after its kind and name, and what each is called.

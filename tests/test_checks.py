@@ -5,13 +5,14 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import torch
 from torch import nn
 
 from guardtrain.compile import Miss, MissReason, grads
 from guardtrain.engine import findings as checks
-from guardtrain.engine.changes import Action, Change
+from guardtrain.engine.changes import Action, Change, Found, found_in
 from guardtrain.engine.findings import Checks, Finding
-from guardtrain.fingerprints import module_fingerprint
+from guardtrain.fingerprints import fingerprint_change, module_fingerprint
 
 
 def _target(module: nn.Module, free: bool = False, **overrides: Any) -> Any:
@@ -49,8 +50,9 @@ def test_boundary_finds_a_swapped_parameter_and_says_retake_under_fsdp() -> None
     boundary re-check compares the hooks only and says to take the fingerprint again; with
     no such strategy, or with install_free_tensors, a swapped parameter rebuilds."""
     plain = _swapped(_target(nn.Linear(2, 2)))
+    replaced = "parameter 'weight' was replaced by another tensor object"
     assert Checks().boundary(plain, "lin") == Finding(
-        rebuild="parameter 'weight' was replaced by another tensor object"
+        rebuild=Found(Action.REBUILD, Change.PARAMETERS, replaced)
     )
     fsdp = _swapped(_target(nn.Linear(2, 2)))
     before = fsdp.reference
@@ -61,13 +63,16 @@ def test_boundary_finds_a_swapped_parameter_and_says_retake_under_fsdp() -> None
     hooked = _swapped(_target(nn.Linear(2, 2)))
     hooked.module.register_forward_hook(lambda *a: None)
     assert Checks().boundary(hooked, "lin", "accelerate's FSDP") == Finding(
-        rebuild="a forward hook was added to '<root>'"
+        rebuild=Found(Action.REBUILD, Change.HOOKS, "a forward hook was added to '<root>'")
     )
 
 
 def test_boundary_finds_a_stale_or_unmatched_assertion() -> None:
     stale = _target(nn.Linear(2, 2), check_assertions=lambda: ("x == 1", None))
-    assert Checks().boundary(stale, "lin").rebuild == "x == 1 (a guard that was dropped or skipped)"
+    rebuild = Checks().boundary(stale, "lin").rebuild
+    assert rebuild == Found(
+        Action.REBUILD, Change.MODULE_STATE, "x == 1 (a guard that was dropped or skipped)"
+    )
     unmatched = _target(nn.Linear(2, 2), check_assertions=lambda: (None, "self.p == 2"))
     assert Checks().boundary(unmatched, "lin") == Finding(leave="self.p == 2")
     assert Checks().boundary(_target(nn.Linear(2, 2)), "lin") == Finding()
@@ -77,7 +82,10 @@ def test_boundary_finds_code_dynamo_skipped_once_per_target() -> None:
     """A called target without entries: Dynamo skipped its code (H18); rebuilt once."""
     ch = Checks()
     skipped = _target(nn.Linear(2, 2), calls=3, cache_entries=lambda: 0)
-    assert ch.boundary(skipped, "lin").rebuild == "Dynamo skipped its code, it ran uncompiled"
+    rebuild = ch.boundary(skipped, "lin").rebuild
+    assert rebuild == Found(
+        Action.REBUILD, Change.SKIPPED, "Dynamo skipped its code, it ran uncompiled"
+    )
     assert ch.skipped == ["lin"]
     assert ch.boundary(skipped, "lin").rebuild is None
 
@@ -85,19 +93,48 @@ def test_boundary_finds_code_dynamo_skipped_once_per_target() -> None:
 def test_caught_change_under_fsdp_says_forget_and_leaves_the_target() -> None:
     t = _swapped(_target(nn.Linear(2, 2)))
     found = checks.caught_change(t, "accelerate's FSDP")
-    assert found is not None and found[0] is Action.FORGET and found[1] is Change.PARAMETERS
-    assert checks.caught_change(_swapped(_target(nn.Linear(2, 2))), None)[0] is Action.REBUILD
+    assert found is not None and found.action is Action.FORGET
+    assert found.kind is Change.PARAMETERS
+    again = checks.caught_change(_swapped(_target(nn.Linear(2, 2))), None)
+    assert again is not None and again.action is Action.REBUILD
 
 
 def test_caught_change_leaves_the_stance_only_under_it() -> None:
     unmatched = _target(nn.Linear(2, 2), check_assertions=lambda: (None, "self.p == 2"))
-    assert checks.caught_change(unmatched, None) == (
-        Action.LEAVE,
-        Change.MODULE_STATE,
-        "self.p == 2",
+    assert checks.caught_change(unmatched, None) == Found(
+        Action.LEAVE, Change.MODULE_STATE, "self.p == 2"
     )
     unmatched.under_stance = False
     assert checks.caught_change(unmatched, None) is None
+
+
+class HookProj(nn.Module):
+    """A module whose parameter's name holds the word "hook"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook_proj = nn.Linear(2, 2)
+
+
+def test_a_change_is_classified_by_what_moved_not_by_its_words() -> None:
+    """A replaced parameter named ``hook_proj.weight`` is a parameter change; a hook added
+    names the submodule whose hooks changed, as data."""
+    module = HookProj()
+    before = module_fingerprint(module)
+    module.hook_proj.weight = nn.Parameter(torch.ones(2, 2))
+    moved = fingerprint_change(before, module_fingerprint(module))
+    assert moved is not None and (moved.row, moved.name) == ("parameter", "hook_proj.weight")
+    found = found_in(moved)
+    assert (found.kind, found.hooks_of) == (Change.PARAMETERS, None), found
+    assert "hook_proj.weight" in found.detail
+    before = module_fingerprint(module)
+    module.hook_proj.register_forward_hook(lambda *a: None)
+    hooked = found_in(fingerprint_change(before, module_fingerprint(module)))  # type: ignore[arg-type]
+    assert (hooked.kind, hooked.hooks_of) == (Change.HOOKS, "hook_proj"), hooked
+    before = module_fingerprint(module)
+    module.register_forward_hook(lambda *a: None)
+    own = found_in(fingerprint_change(before, module_fingerprint(module)))  # type: ignore[arg-type]
+    assert (own.kind, own.hooks_of) == (Change.HOOKS, None), own  # the module's own hooks
 
 
 def test_miss_names_the_kind_and_the_reason() -> None:

@@ -15,7 +15,7 @@ from guardtrain.engine import findings as checks_module
 from guardtrain.engine import levers as _levers
 from guardtrain.engine.agreement import SingleProcess
 from guardtrain.engine.batch_checks import BatchChecks
-from guardtrain.engine.changes import Action, Change
+from guardtrain.engine.changes import Action, Change, Found
 from guardtrain.engine.config import make_config
 from guardtrain.engine.findings import Checks, Finding
 from guardtrain.engine.host import Host
@@ -183,7 +183,7 @@ def test_a_swap_under_fsdp_forgets_the_fingerprint_and_nothing_else(
 ) -> None:
     t = FakeTarget("net")
     run = _run(t)
-    found = (Action.FORGET, Change.PARAMETERS, "parameter 'w' was replaced")
+    found = Found(Action.FORGET, Change.PARAMETERS, "parameter 'w' was replaced")
     monkeypatch.setattr(checks_module, "caught_change", lambda target, swaps: found)
     Repairs(run).on_change(t, "a module write")
     assert t.done == ["forget"] and run.machine.rearms == []
@@ -193,7 +193,7 @@ def test_a_swap_under_fsdp_forgets_the_fingerprint_and_nothing_else(
 def test_a_caught_rebuild_rebuilds_and_rearms_every_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     t = FakeTarget("net")
     run = _run(t)
-    found = (Action.REBUILD, Change.HOOKS, "hooks of 'net' changed")
+    found = Found(Action.REBUILD, Change.HOOKS, "hooks of 'net' changed")
     monkeypatch.setattr(checks_module, "caught_change", lambda target, swaps: found)
     Repairs(run).on_change(t, "a hook")
     assert t.done == ["forget", "rebuild"]
@@ -211,7 +211,7 @@ def test_rebuilds_count_against_the_compile_margin_then_the_target_is_confined(
     t = FakeTarget("net", entries=1)
     run = _run(t)
     run.config = dataclasses.replace(run.config, targets=["net"])  # no split: a hand-over
-    found = (Action.REBUILD, Change.HOOKS, "a forward hook was added to 'net'")
+    found = Found(Action.REBUILD, Change.HOOKS, "a forward hook was added to 'net'")
     monkeypatch.setattr(checks_module, "caught_change", lambda target, swaps: found)
     handed: list[str] = []
     monkeypatch.setattr(
@@ -304,7 +304,11 @@ class FoundChecks(Checks):
     [
         (Finding(retake=True), ["retake"], "steady"),
         (Finding(leave="self.p == 2"), [("steady", False)], "warmup"),
-        (Finding(rebuild="a hook"), ["forget", "rebuild", ("steady", False)], "warmup"),
+        (
+            Finding(rebuild=Found(Action.REBUILD, Change.HOOKS, "a hook")),
+            ["forget", "rebuild", ("steady", False)],
+            "warmup",
+        ),
         (Finding(), [], "steady"),
     ],
 )

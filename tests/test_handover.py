@@ -23,6 +23,7 @@ import torch
 from helpers import assert_restored, guard_tuner
 from torch import nn
 
+from guardtrain.engine.changes import Action, Change, Found
 from guardtrain.engine.handover import (
     CHECK_WINDOW,
     COMPILE_MARGIN,
@@ -52,15 +53,17 @@ def test_a_rebuild_past_the_compile_margin_is_not_made() -> None:
 
 
 def test_the_ledger_counts_rebuilds_and_what_they_dropped() -> None:
+    hook = Found(Action.REBUILD, Change.HOOKS, "a forward hook was added to 'embed'", "embed")
+    replaced = Found(Action.REBUILD, Change.PARAMETERS, "parameter 'w' was replaced")
     ledger = Ledger()
-    assert ledger.rebuilt("net", "a hook was added", dropping=1) is None
+    assert ledger.rebuilt("net", hook, dropping=1) is None
     ledger.dropped("net", 1)  # the rebuild, made
-    assert ledger.rebuilt("net", "a hook was added", dropping=1) is None
+    assert ledger.rebuilt("net", hook, dropping=1) is None
     ledger.dropped("net", 1)
-    assert ledger.rebuilt("net", "a parameter was replaced", dropping=2) is not None
+    assert ledger.rebuilt("net", replaced, dropping=2) is not None
     assert (ledger.rebuilds["net"], ledger.spent["net"]) == (2, 2)
-    assert ledger.repeated("net") == "a hook was added"
-    assert ledger.repeated("other") == "a change"
+    assert ledger.repeated("net") == hook  # a record: whose hooks, not words
+    assert ledger.repeated("other") is None
 
 
 def test_checks_over_hands_over_the_costliest_until_the_rest_fits() -> None:

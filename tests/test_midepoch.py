@@ -371,6 +371,27 @@ def _replace_weight(net: Core, step: int, opt: torch.optim.Optimizer) -> None:
         group["params"] = [new if p is old else p for p in group["params"]]
 
 
+class HookProj(Core):
+    """Core with its output layer named ``hook_proj``: a name with "hook" in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook_proj = self.out
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.hook_proj(self.drop(h))
+
+
+def _replace_hook_proj_weight(net: HookProj, step: int, opt: torch.optim.Optimizer) -> None:
+    if step != CHANGE:
+        return
+    old = net.hook_proj.weight
+    new = nn.Parameter(old.detach() * 0.5)
+    net.hook_proj.weight = new
+    for group in opt.param_groups:
+        group["params"] = [new if p is old else p for p in group["params"]]
+
+
 def _add_hook(net: Core, step: int, opt: Any) -> None:
     if step == CHANGE:
         net.lin.register_forward_hook(double_output)
@@ -472,6 +493,8 @@ STATE = [
     Case("config-field", Configured, change=lambda n, s, o: _set(n.cfg, "flag", changed(s))),
     Case("submodule-eval", Core, change=_submodule_mode),
     Case("parameter-replaced", Core, change=_replace_weight),
+    # A parameter whose name holds "hook": a parameter change, never a hooks change.
+    Case("hook-proj-weight-replaced", HookProj, change=_replace_hook_proj_weight),
     Case(
         "list-item-in-place",
         ListScales,
@@ -919,6 +942,7 @@ CAUGHT = {
     "hook-added": "hooks",
     "hook-removed": "hooks",
     "parameter-replaced": "parameters",
+    "hook-proj-weight-replaced": "parameters",
 }
 KINDS = {"arguments", "globals", "module_state", "hooks", "parameters"}
 
@@ -933,6 +957,8 @@ def test_summary_counts_the_caught_change_by_kind(adapter: str, preset: str, cas
     assert set(caught) <= KINDS, caught
     kind = CAUGHT[case_id]
     assert kind in caught, caught
+    if case_id == "hook-proj-weight-replaced":
+        assert "hooks" not in caught, caught  # classified by what moved, not by its name
     assert caught[kind]["count"] >= 1, caught
     assert isinstance(caught[kind]["first"], str) and caught[kind]["first"], caught
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from guardtrain.compile import CompiledTarget, grad_change, grad_moved, use_grad_variant
 from guardtrain.engine import decisions, findings
-from guardtrain.engine.changes import Change
+from guardtrain.engine.changes import Action, Change, Found
 from guardtrain.engine.phases import LoopState, Phase
 from guardtrain.engine.repairs import Repairs
 from guardtrain.engine.run import TRAIN, Run
@@ -96,7 +96,7 @@ class BatchChecks:
         """Re-check every target: rebuild those whose entries no longer fit; a steady
         ``loop`` leaves the stance when no entry's kept guards hold."""
         r, repairs = self.run, self.repairs
-        rebuild: list[tuple[CompiledTarget, str]] = []
+        rebuild: list[tuple[CompiledTarget, Found]] = []
         for target in r.targets.installed:
             if target.handed_over is not None:
                 continue  # full guards, as plain compile (H51)
@@ -113,13 +113,14 @@ class BatchChecks:
                 repairs.rearm(loop, f"{repairs.label(target)}: {found.leave}")
         self._rebuild_all(rebuild)
 
-    def _rebuild_all(self, rebuild: list[tuple[CompiledTarget, str]]) -> None:
+    def _rebuild_all(self, rebuild: list[tuple[CompiledTarget, Found]]) -> None:
         """Rebuild what the boundary found, on every rank together when calls are paired."""
         r, repairs = self.run, self.repairs
         # A rebuilt target has no entries, so its first call issues no guard
         # collective: with paired calls every rank rebuilds together.
         if r.any_rank(bool(rebuild)) and not rebuild:
-            rebuild = [(t, "another rank rebuilt its targets") for t in r.targets.installed]
+            other = Found(Action.REBUILD, Change.MODULE_STATE, "another rank rebuilt its targets")
+            rebuild = [(t, other) for t in r.targets.installed]
         rebuilt: set[int] = set()
         for target, change in rebuild:
             drifted = target.code.shared and len(target.code.members) > 1 and target.drifted()

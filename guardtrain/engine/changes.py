@@ -14,19 +14,20 @@ a namespace version says that something a target reads may have changed:
 * the parameters' ``requires_grad`` moved (H42): **switch** to the code compiled for
   the new pattern, kept from earlier (:mod:`guardtrain.compile.grads`), and check again.
 
-:func:`decide` returns ``(action, kind, reason)``; the engine acts on it, and
+:func:`decide` returns a :class:`Found`, a record (what to do, the kind of change, whose
+hooks, the words for people); the engine acts on its fields, never on its words, and
 :class:`ChangeLog` counts each kind for ``summary()["caught_changes"]``.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from guardtrain.compile import grad_change, grad_moved
-from guardtrain.fingerprints import fingerprint_change, module_fingerprint
+from guardtrain.fingerprints import ModuleChange, fingerprint_change, module_fingerprint
 
-__all__ = ["Action", "Change", "ChangeLog", "decide"]
+__all__ = ["Action", "Change", "ChangeLog", "Found", "decide", "found_in"]
 
 
 class Change(enum.StrEnum):
@@ -44,6 +45,9 @@ class Change(enum.StrEnum):
     """A parameter or buffer replaced by another object (H3, H35)."""
     REQUIRES_GRAD = "requires_grad"
     """A parameter's ``requires_grad`` flipped: frozen or unfrozen (H42)."""
+    SKIPPED = "skipped"
+    """Not a change of the model: Dynamo skipped the target's code, which ran uncompiled
+    (H18); a boundary rebuilds it."""
 
 
 class Action(enum.StrEnum):
@@ -58,26 +62,47 @@ class Action(enum.StrEnum):
     ``install_free_tensors``; forget the fingerprint, taken again after the next compile."""
 
 
-def decide(target: Any, under_stance: bool) -> tuple[Action, Change, str] | None:
+class Found(NamedTuple):
+    """A change found in a target, and what it calls for."""
+
+    action: Action
+    kind: Change
+    detail: str
+    """What changed, in words for people (a message is made of it, never parsed)."""
+    hooks_of: str | None = None
+    """For a change of hooks: the submodule whose hooks changed, by its path in the
+    target (None: the target's own module)."""
+
+    def named(self, old: str, new: str) -> Found:
+        """The same change with ``old`` in its words replaced by ``new`` (a name)."""
+        return self._replace(detail=self.detail.replace(old, new))
+
+
+def found_in(change: ModuleChange, action: Action = Action.REBUILD) -> Found:
+    """A fingerprint's difference as a :class:`Found`: its kind from the row that moved."""
+    kind = Change.HOOKS if change.row == "hooks" else Change.PARAMETERS
+    return Found(action, kind, change.detail, change.hooks_of)
+
+
+def decide(target: Any, under_stance: bool) -> Found | None:
     """What a change in ``target`` calls for, or None when its entries still fit.
 
     Walks the module (its fingerprint) and evaluates its assertions: run only after
     an event or a moved version, never per call.
     """
     if grad_moved(target):
-        return Action.SWITCH, Change.REQUIRES_GRAD, grad_change(target)
+        return Found(Action.SWITCH, Change.REQUIRES_GRAD, grad_change(target))
     if target.reference is not None:
         change = fingerprint_change(target.reference, module_fingerprint(target.module))
         if change is not None:
-            kind = Change.HOOKS if "hook" in change else Change.PARAMETERS
-            return Action.REBUILD, kind, change
+            return found_in(change)
     stale, unmatched = target.check_assertions()
     failed = target.last_failed
     kind = Change.GLOBALS if failed is not None and failed.glob else Change.MODULE_STATE
     if stale is not None:
-        return Action.REBUILD, kind, f"{stale} (a guard that was dropped or skipped)"
+        return Found(Action.REBUILD, kind, f"{stale} (a guard that was dropped or skipped)")
     if unmatched is not None and under_stance:
-        return Action.LEAVE, kind, unmatched
+        return Found(Action.LEAVE, kind, unmatched)
     return None
 
 

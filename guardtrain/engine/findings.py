@@ -15,7 +15,7 @@ from typing import Any
 
 from guardtrain.compile import CompiledTarget, Miss, MissReason
 from guardtrain.engine import decisions
-from guardtrain.engine.changes import Action, Change, decide
+from guardtrain.engine.changes import Action, Change, Found, decide, found_in
 from guardtrain.engine.config import GuardConfig
 from guardtrain.fingerprints import fingerprint_change, module_fingerprint
 
@@ -90,7 +90,8 @@ class Checks:
             # Dynamo marked the code skipped, e.g. after a call under a dispatch
             # mode that guardtrain did not see (H18): a fresh code object compiles.
             self.skipped.append(label)
-            return Finding(rebuild="Dynamo skipped its code, it ran uncompiled")
+            skipped = "Dynamo skipped its code, it ran uncompiled"
+            return Finding(rebuild=Found(Action.REBUILD, Change.SKIPPED, skipped))
         change, retake = None, False
         if target.reference is not None:
             now = module_fingerprint(target.module)
@@ -99,10 +100,13 @@ class Checks:
                 change = fingerprint_change(_hook_rows(target.reference), _hook_rows(now))
                 retake = change is None
         stale, unmatched = target.check_assertions()
-        if change is None and stale is not None:
-            change = f"{stale} (a guard that was dropped or skipped)"
         if change is not None:
-            return Finding(rebuild=change)
+            return Finding(rebuild=found_in(change))
+        if stale is not None:
+            failed = target.last_failed
+            kind = Change.GLOBALS if failed is not None and failed.glob else Change.MODULE_STATE
+            detail = f"{stale} (a guard that was dropped or skipped)"
+            return Finding(rebuild=Found(Action.REBUILD, kind, detail))
         return Finding(leave=unmatched, retake=retake)
 
 
@@ -110,7 +114,7 @@ class Checks:
 class Finding:
     """What the boundary re-check found in one target; the engine acts on it."""
 
-    rebuild: str | None = None
+    rebuild: Found | None = None
     """Why its entries no longer fit: it is rebuilt."""
     leave: str | None = None
     """Why no entry's kept guards hold: a steady loop leaves the stance."""
@@ -132,9 +136,7 @@ def audit_reason(events: list[dict[str, Any]]) -> str:
     )
 
 
-def caught_change(
-    target: CompiledTarget, swaps_parameters: str | None
-) -> tuple[Action, Change, str] | None:
+def caught_change(target: CompiledTarget, swaps_parameters: str | None) -> Found | None:
     """The check before a call (H33): what a change in ``target`` calls for, or None.
 
     FSDP swaps the parameter objects around every forward by design: without
@@ -145,9 +147,12 @@ def caught_change(
     found = decide(target, target.under_stance)
     if found is None:
         return None
-    kind, reason = found[1], found[2]
-    if kind is Change.PARAMETERS and swaps_parameters and not target.code.install_free_tensors:
-        return Action.FORGET, kind, reason  # the reference is taken after the next compile
+    if (
+        found.kind is Change.PARAMETERS
+        and swaps_parameters
+        and not target.code.install_free_tensors
+    ):
+        return found._replace(action=Action.FORGET)  # the reference is taken after the compile
     return found
 
 

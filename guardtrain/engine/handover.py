@@ -94,8 +94,9 @@ class Ledger:
     spent: Counter[str] = field(default_factory=Counter)
     """Each target's entries that its rebuilds, splits and hand-over dropped: what
     guardtrain made it compile again (``summary()["compiles"]["again"]``)."""
-    changes: dict[str, Counter[str]] = field(default_factory=dict)
-    """Each target's changes that rebuilt it, counted."""
+    changes: dict[str, Counter[Any]] = field(default_factory=dict)
+    """Each target's changes that rebuilt it (:class:`~guardtrain.engine.changes.Found`
+    records), counted."""
     handed_over: list[dict[str, Any]] = field(default_factory=list)
     """The targets handed over: ``target``, ``why``, ``change`` (the most frequent)."""
     check_ns: dict[int, int] = field(default_factory=dict)
@@ -107,7 +108,7 @@ class Ledger:
     over: set[str] = field(default_factory=set)
     """The targets whose checks cost more than the saving in the last window."""
 
-    def rebuilt(self, name: str, change: str, dropping: int) -> str | None:
+    def rebuilt(self, name: str, change: Any, dropping: int) -> str | None:
         """A change makes target ``name``'s entries stale, and a rebuild would drop
         ``dropping`` of them: why to confine it instead (:func:`rebuild_over`), or None,
         and the rebuild is counted."""
@@ -137,7 +138,7 @@ class Ledger:
         self.over = set(over)
         return again
 
-    def repeated(self, name: str) -> str:
-        """The change that rebuilt target ``name`` most often."""
+    def repeated(self, name: str) -> Any:
+        """The change that rebuilt target ``name`` most often, or None."""
         counted = self.changes.get(name)
-        return counted.most_common(1)[0][0] if counted else "a change"
+        return counted.most_common(1)[0][0] if counted else None

@@ -16,11 +16,11 @@ from guardtrain.compile.direct import whole
 from guardtrain.compile.trampoline import cache_entry_list
 from guardtrain.engine import breaks as _breaks
 from guardtrain.engine import findings
-from guardtrain.engine.changes import Action, Change
+from guardtrain.engine.changes import Action, Change, Found
 from guardtrain.engine.handover import CHECK_WINDOW, checks_over
 from guardtrain.engine.run import TRAIN, Run
 from guardtrain.engine.targets import breaks_of, label, regions
-from guardtrain.fingerprints import hooks_changed_in
+from guardtrain.fingerprints import ROOT
 
 __all__ = ["Repairs", "at_recompile_limit"]
 
@@ -74,24 +74,23 @@ class Repairs:
             # rank runs together.
             return
         found = findings.caught_change(target, r.state.swaps_parameters)
-        if found is not None and found[0] is Action.SWITCH:
+        if found is not None and found.action is Action.SWITCH:
             # Frozen or unfrozen (H42): the code of the new pattern, kept from its last
             # use, is checked like any other before it runs.
-            self.caught(found[1], f"{self.label(target)}: {found[2]} ({note})")
+            self.caught(found.kind, f"{self.label(target)}: {found.detail} ({note})")
             use_grad_variant(target)
             found = findings.caught_change(target, r.state.swaps_parameters)
         if found is None:
             return
-        action, kind, reason = found
-        if action is Action.FORGET:
+        if found.action is Action.FORGET:
             target.forget_reference()
             return
-        self.caught(kind, f"{self.label(target)}: {reason} ({note})")
-        if action is Action.LEAVE:
+        self.caught(found.kind, f"{self.label(target)}: {found.detail} ({note})")
+        if found.action is Action.LEAVE:
             self.stop_checking()
-            self.rearm(r.state.loop, f"{self.label(target)}: {reason}")
+            self.rearm(r.state.loop, f"{self.label(target)}: {found.detail}")
         else:
-            self.rebuild_or_leave_shared(target, reason)
+            self.rebuild_or_leave_shared(target, found)
 
     def on_miss(self, target: CompiledTarget, miss: Miss) -> bool:
         """A call of ``target`` missed: leave the stance; True to run it with full guards.
@@ -190,18 +189,19 @@ class Repairs:
         target.uncompiled = True
         self.rearm(None, f"{self.label(target)}: {change}; uncompiled until it is split")
 
-    def rebuild_or_leave_shared(self, target: CompiledTarget, change: str) -> None:
+    def rebuild_or_leave_shared(self, target: CompiledTarget, found: Found) -> None:
         """A change made ``target``'s entries stale: rebuild it (or let it leave its shared
         code), unless the rebuild would go past its compile margin: then it is split, or
         handed over (H51, :func:`~guardtrain.engine.handover.rebuild_over`)."""
         r = self.run
         name = self.label(target)
+        change = found.detail
         # The change as the user knows it: a fingerprint names the target's own module `<root>`.
-        named = change.replace("'<root>'", repr(name))
+        named = found.named(repr(ROOT), repr(name))
         capped = r.ledger.rebuilt(name, named, target.code.live_entries())
         if capped is not None:
-            repeated = r.ledger.repeated(name)
-            why = f"{capped}; most often because {repeated}"
+            repeated = r.ledger.repeated(name) or named
+            why = f"{capped}; most often because {repeated.detail}"
             due = any(t is target for t, _, _ in r.state.splits_due)
             if due or self._may_split(target):
                 # H51 confined: split when the repairs run (this may be inside its own call),
@@ -222,13 +222,15 @@ class Repairs:
         else:
             self.rebuild(target, change)
 
-    def hand_over(self, target: CompiledTarget, why: str, change: str | None = None) -> None:
+    def hand_over(self, target: CompiledTarget, why: str, change: Found | None = None) -> None:
         """Full guards for ``target`` for the rest of the run, as ``torch.compile`` runs it;
-        Dynamo's recompile limit applies (H51). One warning names it and why."""
+        Dynamo's recompile limit applies (H51). One warning names it and why (``change``:
+        the change that rebuilt it most often)."""
         r = self.run
         name = self.label(target)
         hand_over(target, why)
-        r.ledger.handed_over.append({"target": name, "why": why, "change": change})
+        detail = None if change is None else change.detail
+        r.ledger.handed_over.append({"target": name, "why": why, "change": detail})
         r.host.warn(
             f"guardtrain: {name!r} runs with full guards for the rest of the run, as "
             f"torch.compile runs it ({why}); Dynamo's recompile limit applies to it (H51)."
@@ -398,7 +400,7 @@ class Repairs:
             and bool(regions(target.name, target.module))
         )
 
-    def _split_rebuilt(self, target: CompiledTarget, why: str, repeated: str) -> bool:
+    def _split_rebuilt(self, target: CompiledTarget, why: str, repeated: Found) -> bool:
         """Compile the parts of a default target rebuilt too often instead of handing it
         over whole (H51). When the change that recurred names a submodule's hooks (a hook
         added to the input embeddings in every step), the part that holds it is handed
@@ -406,7 +408,7 @@ class Repairs:
         part it is in. False if ``target`` has no parts."""
         r = self.run
         name = self.label(target)
-        sub = hooks_changed_in(repeated)
+        sub = repeated.hooks_of
         names = r.targets.split(target, [], r.paired(), r.host.root_label, record=False)
         if names is None:
             return False

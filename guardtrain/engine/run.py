@@ -56,7 +56,7 @@ class RunState:
     breaks_due: list[tuple[Any, list[Any]]] = field(default_factory=list)
     """``(target, its graph breaks)`` found after a compile, acted on when the repairs
     run (at once, or after the backward when they wait, H52)."""
-    splits_due: list[tuple[Any, str, str]] = field(default_factory=list)
+    splits_due: list[tuple[Any, str, Any]] = field(default_factory=list)
     """``(target, why, the change that recurred)``: a default target rebuilt too often, split
     into its parts when the repairs run (H51), not inside its own call where it was caught."""
     handed_compiles: int = 0
