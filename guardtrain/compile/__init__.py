@@ -12,16 +12,19 @@ Rooms (each file's first docstring line says what it is for):
 * ``repeat``: a repeated argument key recognised without making it again;
 * ``stances``: the two stance values a steady call writes around its compiled call (H41);
 * ``watch``: change tracking between calls (events for modules, parameters and hooks;
-  what flips keep, ``Flips``);
+  each flip written into the target's ``known_states.Flips``);
 * ``polled``: what a steady call compares (dictionary versions, list contents, H33);
 * ``grads``: the parameters' ``requires_grad`` pattern, and code per pattern and
   autocast state (H42, H44);
 * ``assertions``: what a compile's guards asserted, recorded and re-checked;
+* ``fastcheck``: each entry's assertions checked by one generated function per group
+  (``EntryChecks``), the per-assertion check only when one fails;
 * ``code``: compiled code for one target or a group of identical blocks
   (``TargetCode``, ``structure_key``, ``share_groups``);
 * ``miss``: why a call leaves the stance (``Miss``, ``MissReason``);
-* ``states``: known states: a flip back to one is a swap, not a re-check (H46);
-* ``state``: what the per-call path reads and writes on a target (``TargetState``);
+* ``known_states``: what flips keep (``Flips``), and known states: a flip back to one is
+  a swap, not a re-check (``Known``, ``Kept``, ``swap``; H46);
+* ``target_state``: what the per-call path reads and writes on a target (``TargetState``);
 * ``direct``: turbo's harvested entries (``DirectEntry``);
 * ``symbolic``: what a harvested entry's guard tree says (symbolic input sizes, the guards
   beyond the arguments, H53);

@@ -29,6 +29,10 @@
 * :mod:`~guardtrain.engine.warmstart`: the compile cache saved and loaded (``compile_cache``).
 * :mod:`~guardtrain.engine.optimizers`: the run's compiled optimizer steps
   (``compile_optimizer=True``).
+* :mod:`~guardtrain.engine.steps`: the bottom line, the steady training steps' time and
+  the saving.
+* :mod:`~guardtrain.engine.handover`: the compile margin, and when a target is handed
+  over to full guards (H51); pure decisions on plain values.
 """
 
 from guardtrain.engine.agreement import (

@@ -18,7 +18,7 @@ default target, so that only the part that keeps changing is handed over) or *ha
 over*: for the rest of the run it keeps every guard, no ``install_free_tensors``, never
 the stance and none of guardtrain's per-call checks: it runs as ``torch.compile`` runs it,
 and only Dynamo's own guards and limit decide its compiles
-(:meth:`~guardtrain.compile.CompiledTarget.hand_over`). :class:`Ledger` keeps what the
+(:func:`~guardtrain.compile.hand_over`). :class:`Ledger` keeps what the
 decisions read; :func:`rebuild_over` and :func:`checks_over` decide, on plain values.
 
 >>> rebuild_over(rebuilds=0, spent=0, dropping=2) is None  # 2 again, and 2 more to hand over
