@@ -43,13 +43,10 @@ profiler is active, so a user's own profiling is never disturbed.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
-import sys
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,39 +224,15 @@ class LookupStats:
         }
 
 
-@contextlib.contextmanager
-def _silent_stderr(enabled: bool) -> Iterator[None]:
-    """Send file descriptor 2 to /dev/null (kineto prints two lines per start/stop)."""
-    if not enabled:
-        yield
-        return
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 class LookupWindow:
     """A short profiler window that reports guard and pre-graph µs per compiled call.
 
-    Args:
-        quiet: hide the two lines kineto prints on stderr at each start and
-            stop (file descriptor 2 is redirected during those two calls only).
-
-    One instance can be started and stopped any number of times, never nested.
+    One instance can be started and stopped any number of times, never nested. Nothing
+    of the process is redirected: what the profiler prints at its start and stop stays
+    where it goes.
     """
 
-    def __init__(self, quiet: bool = True) -> None:
-        self.quiet = quiet
+    def __init__(self) -> None:
         self._prof: Any = None
         self._t0 = 0.0
         self._start_us = 0.0
@@ -276,8 +249,7 @@ class LookupWindow:
             return False
         t0 = time.perf_counter()
         prof = torch.autograd.profiler.profile(use_cpu=True, record_shapes=False)
-        with _silent_stderr(self.quiet):
-            prof.__enter__()
+        prof.__enter__()
         t1 = time.perf_counter()
         self._prof = prof
         self._start_us = (t1 - t0) * 1e6
@@ -295,8 +267,7 @@ class LookupWindow:
             return None
         self._prof = None
         t1 = time.perf_counter()
-        with _silent_stderr(self.quiet):
-            prof.__exit__(None, None, None)
+        prof.__exit__(None, None, None)
         t2 = time.perf_counter()
         guard: list[tuple[int, float]] = []
         pregraph: list[tuple[int, float]] = []

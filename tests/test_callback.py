@@ -24,6 +24,8 @@ from helpers import (
 from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 from torch import nn
 
+from guardtrain.presets import BENCH_GUARD_SHARE
+
 
 @pytest.mark.parametrize("preset", ["off", "safe", "balanced", "aggressive", "turbo"])
 def test_train_eval_switch_matches_eager(preset: str) -> None:
@@ -492,7 +494,7 @@ def test_lookup_is_measured_and_logged(tmp_path: Any) -> None:
     logger = CSVLogger(tmp_path, name="run")
     # The window profiles Dynamo's entry path, which turbo's direct calls skip
     # (test_turbo.py checks that turbo reports no figure).
-    cb = guard(direct_dispatch=False)
+    cb = guard(direct_dispatch=False, measure_lookup=True)
     compare(TinyModule, lambda: cb, logger=logger)  # measuring changes no result
     logger.save()
     lookup = cb.summary()["lookup_us"]
@@ -503,8 +505,27 @@ def test_lookup_is_measured_and_logged(tmp_path: Any) -> None:
     assert "under the stance" in cb.format_summary()
 
 
+def test_no_profiler_runs_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``measure_lookup`` is off by default: nothing starts the torch profiler in the run,
+    and the summary's bottom line comes from counters."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the torch profiler was started")
+
+    monkeypatch.setattr(torch.autograd.profiler, "profile", refuse)
+    cb = guard(direct_dispatch=False)
+    fit(TinyModule(), [cb])
+    s = cb.summary()
+    assert s["lookup_us"] == {} and s["steady_steps"] > 0, s
+    assert s["step"]["saved_us"] is None and "measure_lookup=False" in s["step"]["why"]
+    assert s["step"]["served_calls"] == 0  # under the stance, no cache: none counted
+    assert s["step"]["guards_per_call"] > 0
+    assert s["step"]["bench_guard_share"] == BENCH_GUARD_SHARE["aggressive"]
+    assert "the bench measured aggressive's guard and pre-graph time" in cb.format_summary()
+
+
 def test_lookup_window_leaves_a_users_profiler_alone() -> None:
-    cb = guard()
+    cb = guard(measure_lookup=True)
     with torch.autograd.profiler.profile():
         fit(TinyModule(), [cb])
     assert cb.summary()["lookup_us"] == {}

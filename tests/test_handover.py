@@ -6,16 +6,18 @@
   (:func:`~guardtrain.engine.handover.checks_over`).
 * Checks that cost more than they save: a module attribute that is assigned a new list
   on every step (not a flip: a list is no plain value) makes every call take the general
-  check before it (fingerprint, assertions, re-watch), which on a small model costs far
-  more than the guard time the stance saves. After the lookup windows measured the
-  saving, and the checks cost more in two cost windows in a row (a one-off check, the
-  first of a state, falls in one alone), the target is handed over: its calls run with
-  full guards, with no per-call
-  check of guardtrain's, eager-equal throughout, and the summary says why.
+  check before it (fingerprint, assertions, re-watch), which on a small model outweighs
+  the guards the stance skips. When the checks outweigh them in two cost windows in a
+  row (a one-off check, the first of a state, falls in one alone), the target is handed
+  over: its calls run with full guards, with no per-call check of guardtrain's,
+  eager-equal throughout, and the summary says why.
+* The decisions read counts, never a clock: the same runs with every clock of the
+  process made ten times slower decide the same.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import pytest
@@ -25,6 +27,7 @@ from torch import nn
 
 from guardtrain.engine.changes import Action, Change, Found
 from guardtrain.engine.handover import (
+    CHECK_WEIGHT,
     CHECK_WINDOW,
     COMPILE_MARGIN,
     Ledger,
@@ -66,13 +69,18 @@ def test_the_ledger_counts_rebuilds_and_what_they_dropped() -> None:
     assert ledger.repeated("other") is None
 
 
-def test_checks_over_hands_over_the_costliest_until_the_rest_fits() -> None:
-    assert checks_over({}, 10.0) == []
-    assert checks_over({"a": 5.0, "b": 4.0}, 10.0) == []
-    assert checks_over({"a": 2.0, "b": 40.0, "c": 3.0}, 10.0) == ["b"]
-    assert checks_over({"a": 5.0, "b": 40.0, "c": 8.0}, 10.0) == ["b", "c"]
-    assert checks_over({"a": 9.0, "b": 8.0, "c": 7.0}, 10.0) == ["a", "b"]
-    assert checks_over({"a": 3.0, "b": 0.0}, -1.0) == ["a"]  # no saving: any check costs
+def test_checks_over_weighs_the_checks_rows_against_the_guards_skipped() -> None:
+    """Counts only: each target's general checks in a window, times the rows each walks
+    (weighed by CHECK_WEIGHT), against the window's steady batches times the guards a call
+    skips."""
+    assert checks_over({}, 32, {}) == []
+    rare = (1, 12)  # one check in the window: a change, not a recurring cost
+    every = (32, 12)  # a check before every call
+    assert checks_over({"a": rare, "b": every}, 32, {"a": 60, "b": 60}) == ["b"]
+    assert checks_over({"a": every}, 32, {"a": 12 * CHECK_WEIGHT}) == []  # as many: not over
+    assert checks_over({"a": every}, 32, {"a": 12 * CHECK_WEIGHT - 1}) == ["a"]
+    assert checks_over({"a": (0, 50)}, 32, {}) == []  # no check: nothing to weigh
+    assert checks_over({"a": rare}, 32, {}) == ["a"]  # no guard skipped: any check costs
 
 
 def test_only_checks_over_in_two_windows_in_a_row_hand_over() -> None:
@@ -140,12 +148,14 @@ def test_checks_that_cost_more_than_they_save_hand_the_target_over(preset: str) 
     got, s = run(preset)
     assert s is not None
     assert all(torch.equal(a, b) for a, b in zip(eager, got)), "outputs differ from eager"
-    saving = s["lookup_us"]["full_guards"] - s["lookup_us"]["steady"]
-    assert s["full_guard_targets"], (s["lookup_us"], s["caught_changes"])
+    assert s["full_guard_targets"], s["caught_changes"]
     (handed,) = s["full_guard_targets"]
     assert handed["target"] == "<model>"
-    assert "its checks before calls cost" in handed["why"], handed
-    assert f"{max(saving, 0.0):.0f} µs per step of guard time" in handed["why"], handed
+    assert re.match(
+        rf"its checks before calls \({CHECK_WINDOW} in {CHECK_WINDOW} steady batches, \d+ rows "
+        r"each\) outweigh the \d+ guards a call skips in the steady state",
+        handed["why"],
+    ), handed
     # Handed over after the second cost window after the lookup windows: from then on
     # the stance is off for good (every target has full guards), with no re-arm per step.
     assert s["stance_blocked"] and "full guards" in s["stance_blocked"], s["stance_blocked"]
@@ -220,3 +230,47 @@ def test_targets_given_are_handed_over_whole() -> None:
     assert handed["target"] == "<model>", handed
     assert s["targets"] == ["<model>"], s["targets"]
     assert_restored()
+
+
+# -- decisions from counts, never from clocks ------------------------------------------------
+
+
+def _decisions(s: dict[str, Any]) -> dict[str, Any]:
+    """What a run decided: re-arms, hand-overs, targets, compiles, the steady steps."""
+    return {
+        "rearms": [(r["step"], r["reason"]) for r in s["rearms"]],
+        "full_guard_targets": s["full_guard_targets"],
+        "targets": s["targets"],
+        "compiles": s["compiles_by_target"],
+        "compiled_again": s["compiled_again"],
+        "steady_steps": s["steady_steps"],
+        "caught_changes": s["caught_changes"],
+    }
+
+
+def test_a_slowed_clock_takes_the_same_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks' hand-over (the Offsets run) and the compile margin (a hook added every
+    step), each run again with every clock the process reads made ten times slower:
+    every decision is the same."""
+    import time
+
+    original = time.perf_counter
+    normal = [_decisions(run("aggressive")[1]), _decisions(run_hooked("turbo")[1])]
+    for name in (
+        "perf_counter",
+        "perf_counter_ns",
+        "monotonic",
+        "monotonic_ns",
+        "time",
+        "time_ns",
+        "thread_time",
+        "thread_time_ns",
+        "process_time",
+        "process_time_ns",
+    ):
+        clock = getattr(time, name)
+        monkeypatch.setattr(time, name, lambda clock=clock: clock() * 10)
+    slowed = [_decisions(run("aggressive")[1]), _decisions(run_hooked("turbo")[1])]
+    assert time.perf_counter() >= 9 * original()  # every read of the clock is ten times on
+    assert slowed == normal
+    assert normal[0]["full_guard_targets"] and normal[1]["full_guard_targets"], normal

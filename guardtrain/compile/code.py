@@ -135,6 +135,9 @@ class TargetCode:
         """Compiles of the trampoline's own frame (one entry each)."""
         self.own_mode: CallMode | None = None
         """The mode of the latest compile of the trampoline's own frame."""
+        self.guard_count = 0
+        """The most guards an entry of the trampoline kept: what a call with full guards
+        evaluates, and the steady state skips (H51 weighs checks against it)."""
         self.closure: tuple[types.CellType, ...] = ()
         self.keep_hooks_guard = False
         """Keep the saved-tensor-hooks guard in every compile: hooks that Dynamo
@@ -247,6 +250,7 @@ class TargetCode:
         self._root_entries = 0
         self.graph_breaks = False
         self.broken_modes = set()
+        self.guard_count = 0
         self.dropped_hooks_guard = False
         self.generation += 1
         for member in self.members:
@@ -306,14 +310,14 @@ class TargetCode:
         else:
             keep = [bool(k) for k in self.guard_filter(entries)]
         mode = mode_of(member.module)
-        if own_frame:
-            self.own_mode = mode
         self._note_frame(code, own_frame)
         self._note_mode(mode, reason)
         recorded = recorded_guards(entries, keep, self.prefix, member.name, self.shared)
         recorded.extend(self._moved(entries, keep, own_frame))
         if own_frame:
             recorded.extend(kept_global_assertions(entries, keep))
+            self.own_mode = mode
+            self.guard_count = max(self.guard_count, sum(keep))
         self.assertions.append(Recorded(recorded))
         _watch.read_names.update(attribute_names(entries))
         for m in self.members:

@@ -129,7 +129,7 @@ class CompiledTarget:
         self.unverified: Callable[..., Any] | None = None
         self.mismatch: str | None = None
         self.handed_over: str | None = None  # why it has full guards for the run (H51)
-        self.check_ns = 0  # time in the checks before calls after a change
+        self.general_checks = 0  # checks before calls after a change that was no swap
         # What the engine's checks read.
         self.last_failed: Assertion | None = None  # named by the last check_assertions
         self.reference: Any = None  # the module's fingerprint when its entries compiled
@@ -344,6 +344,12 @@ class CompiledTarget:
         """End :meth:`start_checking`; returns the calls checked and accepted since."""
         checked, self.checks, self.checking = self.checks, 0, False
         return checked
+
+    def check_rows(self) -> int:
+        """What one general check before a call walks: the fingerprint's rows (parameters,
+        buffers, hook lists) and the recorded assertions."""
+        rows = len(self.reference) if self.reference is not None else 0
+        return rows + sum(len(recorded) for recorded in self.code.assertions)
 
     def take_reference(self) -> None:
         """Fingerprint the module now: later changes are measured against it."""

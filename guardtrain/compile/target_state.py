@@ -135,9 +135,9 @@ class TargetState(Protocol):
     uncompiled: bool
     """Its calls outside the stance run the module's own ``forward``, uncompiled, until the
     engine splits it: its entries are stale or about to be dropped (H51, H52)."""
-    check_ns: int
-    """Nanoseconds spent in the checks before calls after a change that was not a flip back
-    to a known state: what the engine weighs against the guard time saved."""
+    general_checks: int
+    """Checks before calls after a change that was not a flip back to a known state: what
+    the engine weighs against the guards the steady state skips (counts, H51)."""
 
     @property
     def installed(self) -> bool:

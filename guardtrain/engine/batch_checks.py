@@ -228,10 +228,8 @@ class BatchChecks:
     def _measures_lookup(self) -> bool:
         """Whether entering the training loop's stance starts the lookup windows."""
         r = self.run
-        cfg = r.config
-        measure = cfg.measure_lookup if cfg.measure_lookup is not None else not r.machine.collective
         # Not with paired calls: the window's batches would shift this rank's audits.
         # Under turbo the steady window profiles what Dynamo's entry path still costs (the
         # calls that did not run directly); the direct calls' own checks, a few µs a call,
         # are not profiled (summary()["step"]["note"]).
-        return measure and not r.paired() and "steady" not in r.lookup.lookup
+        return r.config.measure_lookup and not r.paired() and "steady" not in r.lookup.lookup

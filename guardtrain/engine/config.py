@@ -200,18 +200,17 @@ class GuardConfig:
     (:mod:`guardtrain.compile.optimizer`); put back at the end of the run. Refused for
     ``LBFGS`` and ``differentiable=True``."""
 
-    measure_lookup: bool | None = None
-    """``None`` (default): on in single-process runs, off with
-    several processes (a DDP child process once ended with "terminate
-    called without an active exception" after a run that had profiled).
-    When on: when training first enters the stance, profile
-    ``lookup_window`` batches with full guards and then as many under the
-    stance, and report Dynamo's guard and pre-graph µs per step for both
-    (``summary()["lookup_us"]``, the logged ``guard/lookup_us``). Skipped
-    when another profiler is running. Cost, once per run: about 1 ms to
-    start and stop the profiler plus about 1.5 ms per profiled compiled
-    call, and calls about 12% slower inside the windows (measured on the
-    CPU; docs/bench.md, "Per-call costs")."""
+    measure_lookup: bool = False
+    """Off by default: the torch profiler runs inside your training only when you ask for
+    it (nothing guardtrain decides reads it). ``True``: when training first enters the
+    stance, profile ``lookup_window`` batches with full guards and then as many under
+    the stance, and report Dynamo's guard and pre-graph µs per step for both
+    (``summary()["lookup_us"]``, the logged ``guard/lookup_us``, the summary's saving).
+    Skipped when another profiler is running; with several processes a DDP child once
+    ended with "terminate called without an active exception" after a run that had
+    profiled. Cost, once per run: about 1 ms to start and stop the profiler plus about
+    1.5 ms per profiled compiled call, and calls about 12% slower inside the windows
+    (measured on the CPU; docs/bench.md, "Per-call costs")."""
 
     lookup_window: int = 3
     """batches per measuring window."""
@@ -294,7 +293,7 @@ class GuardArguments(TypedDict, total=False):
     verify_atol: float
     guard_collectives: bool
     compile_optimizer: bool
-    measure_lookup: bool | None
+    measure_lookup: bool
     lookup_window: int
     compile_cache: str | os.PathLike[str] | None
 
@@ -329,13 +328,16 @@ def _levers(preset: str, overrides: dict[str, Any], guard_filter: Any) -> GuardP
 
 def _check_flags(config: GuardConfig) -> None:
     """The bools, the lookup settings and the tolerances; the error names the argument."""
-    for flag in ("unsafe_drop_floor", "log_metrics", "guard_collectives", "compile_optimizer"):
+    for flag in (
+        "unsafe_drop_floor",
+        "log_metrics",
+        "guard_collectives",
+        "compile_optimizer",
+        "measure_lookup",
+    ):
         value = getattr(config, flag)
         if not isinstance(value, bool):
             raise GuardTrainTypeError(f"`{flag}` must be a bool, got {value!r}.")
-    measure = config.measure_lookup
-    if measure is not None and not isinstance(measure, bool):
-        raise GuardTrainTypeError(f"`measure_lookup` must be a bool or None, got {measure!r}.")
     if _every("lookup_window", config.lookup_window) is None:
         raise GuardTrainValueError("`lookup_window` must be >= 1, got None.")
     for flag in ("verify_rtol", "verify_atol"):

@@ -398,7 +398,11 @@ class GuardEngine:
                 pass  # no decision while the targets may still change (H52)
             elif m.collective or m.loops[loop].phase != STEADY:  # steady alone: no decision
                 self._batches.decision_point()
-            if r.lookup.results:  # the saving is measured: do the checks cost more? (H51)
+            # Do the checks before calls outweigh the guards they save? (H51, counts) A
+            # hand-over waits for the backward, as repairs do (H52).
+            if backward_follows:
+                state.weigh_due = m.loops[loop].phase == STEADY
+            else:
                 self._repairs.weigh_checks(m.loops[loop].phase == STEADY)
             if state.logged_changes != r.changes():
                 self._log_changes()
@@ -427,6 +431,9 @@ class GuardEngine:
         if state.active and state.repairs_due:
             state.repairs_due = False
             self._repairs.after_compile()
+        if state.active and state.weigh_due is not None:
+            steady, state.weigh_due = state.weigh_due, None
+            self._repairs.weigh_checks(steady)
 
     def loop_end(self, loop: str, complete: bool = True) -> None:
         """A pass of ``loop`` ended (``complete`` is False for a sanity check or a cut pass)."""

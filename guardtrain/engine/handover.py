@@ -25,7 +25,7 @@ decisions read; :func:`rebuild_over` and :func:`checks_over` decide, on plain va
 True
 >>> rebuild_over(rebuilds=1, spent=2, dropping=2)
 'rebuilt once for changes, compiling 2 entries again; one more rebuild and a hand-over would compile 4 more, past the margin of 4 compiles above plain compile'
->>> checks_over({"a": 900.0, "b": 10.0}, saving_us=200.0)
+>>> checks_over({"a": (32, 12), "b": (1, 12)}, steady_batches=32, guards={"a": 60, "b": 60})
 ['a']
 """
 
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "CHECK_WEIGHT",
     "CHECK_WINDOW",
     "COMPILE_MARGIN",
     "Ledger",
@@ -50,6 +51,10 @@ above what plain compile makes for the same calls. A graph break compiles nothin
 hook added, a parameter replaced, a dropped guard's value moved)."""
 CHECK_WINDOW = 32
 """Steady training batches over which the checks' cost is compared with the saving."""
+CHECK_WEIGHT = 20
+"""How many of Dynamo's guards weigh as much as one row of guardtrain's general check
+before a call (a parameter, a hook list or an assertion, walked in Python where Dynamo
+evaluates its guards in C++): the weight of the checks against the guards they save."""
 
 
 def rebuild_over(rebuilds: int, spent: int, dropping: int) -> str | None:
@@ -70,19 +75,19 @@ def rebuild_over(rebuilds: int, spent: int, dropping: int) -> str | None:
     )
 
 
-def checks_over(check_us: dict[str, float], saving_us: float) -> list[str]:
-    """The targets to hand over so that the checks left cost no more per step than the
-    guards the steady state skips (``saving_us`` per step): the costliest first.
-
-    ``check_us`` is each target's time per step in the checks before its calls."""
-    total = sum(check_us.values())
-    over: list[str] = []
-    for name, us in sorted(check_us.items(), key=lambda item: -item[1]):
-        if total <= saving_us or us <= 0.0:
-            break
-        over.append(name)
-        total -= us
-    return over
+def checks_over(
+    checks: dict[str, tuple[int, int]], steady_batches: int, guards: dict[str, int]
+) -> list[str]:
+    """The targets whose checks before calls in a window outweigh the guards the steady
+    state skipped there: ``checks[name]`` is ``(general checks, rows each walks)``,
+    ``guards[name]`` the guards a call of that target evaluates with full guards, and
+    each of the window's ``steady_batches`` skipped them at least once. Counts only:
+    the same run gives the same answer on any machine."""
+    return [
+        name
+        for name, (n, rows) in checks.items()
+        if n * rows * CHECK_WEIGHT > steady_batches * guards.get(name, 0)
+    ]
 
 
 @dataclass(slots=True)
@@ -99,8 +104,8 @@ class Ledger:
     records), counted."""
     handed_over: list[dict[str, Any]] = field(default_factory=list)
     """The targets handed over: ``target``, ``why``, ``change`` (the most frequent)."""
-    check_ns: dict[int, int] = field(default_factory=dict)
-    """``id(target)`` -> its check time at the start of the current window."""
+    checks: dict[int, int] = field(default_factory=dict)
+    """``id(target)`` -> its general checks at the start of the current window."""
     window_start: int | None = None
     """The training batch at which the current cost window started."""
     compiles: int = 0

@@ -240,11 +240,11 @@ class Repairs:
 
     def weigh_checks(self, steady: bool) -> None:
         """After a training batch: in windows of :data:`~guardtrain.engine.handover.CHECK_WINDOW`
-        steady batches without a compile, hand over the targets whose checks before calls
-        cost more than the guard time the steady state saves per step (the lookup
-        windows' ``full_guards`` minus ``steady``) in two windows in a row: never slower
-        than plain compile. Not with paired calls (a hand-over on one rank alone would
-        break the pairing of guard collectives)."""
+        steady batches without a compile, hand over the targets whose general checks
+        before calls outweigh the guards that the steady state skipped
+        (:func:`~guardtrain.engine.handover.checks_over`: counts, never clocks) in two
+        windows in a row: never slower than plain compile. Not with paired calls (a
+        hand-over on one rank alone would break the pairing of guard collectives)."""
         r = self.run
         ledger = r.ledger
         if not steady or r.paired() or ledger.compiles != r.monitor.compiles:
@@ -258,24 +258,25 @@ class Repairs:
         installed = [t for t in r.targets.installed if t.handed_over is None]
         if ledger.window_start is None:
             ledger.window_start = batch
-            ledger.check_ns = {id(t): t.check_ns for t in installed}
+            ledger.checks = {id(t): t.general_checks for t in installed}
             return
         steps = batch - ledger.window_start
         if steps < CHECK_WINDOW:
             return
         ledger.window_start = None
-        saving = r.lookup.lookup["full_guards"] - r.lookup.lookup["steady"]
         by_name = {self.label(t): t for t in installed}
-        costs = {
-            name: (t.check_ns - ledger.check_ns.get(id(t), t.check_ns)) / 1e3 / steps
+        checks = {
+            name: (t.general_checks - ledger.checks.get(id(t), t.general_checks), t.check_rows())
             for name, t in by_name.items()
         }
-        for name in ledger.over_again(checks_over(costs, saving)):
+        guards = {name: t.code.guard_count for name, t in by_name.items()}
+        for name in ledger.over_again(checks_over(checks, steps, guards)):
+            n, rows = checks[name]
             self.hand_over(
                 by_name[name],
-                f"its checks before calls cost {costs[name]:.0f} µs per training step, more "
-                f"than the {max(saving, 0.0):.0f} µs per step of guard time the stance "
-                f"saves, in {CHECK_WINDOW} steady batches twice in a row",
+                f"its checks before calls ({n} in {steps} steady batches, {rows} rows each) "
+                f"outweigh the {guards[name]} guards a call skips in the steady state, in "
+                f"{CHECK_WINDOW} steady batches twice in a row",
             )
 
     # -- graph breaks --------------------------------------------------------------------------

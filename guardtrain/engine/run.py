@@ -53,6 +53,9 @@ class RunState:
     batch is one model call): the repairs that change what a target runs wait for
     :meth:`~guardtrain.engine.engine.GuardEngine.backward_done`, since a checkpointed
     block runs its forward again in the backward and must run the same graph (H52)."""
+    weigh_due: bool | None = None
+    """A training batch whose backward comes after its end weighs the checks (H51) once
+    that backward ran (H52): whether the batch was steady; None when nothing waits."""
     breaks_due: list[tuple[Any, list[Any]]] = field(default_factory=list)
     """``(target, its graph breaks)`` found after a compile, acted on when the repairs
     run (at once, or after the backward when they wait, H52)."""

@@ -106,14 +106,21 @@ def cuda_events(modules: Any) -> Callable[[], Any] | None:
     return None
 
 
-def bottom_line(clock: StepClock, lookup: dict[str, float], direct: bool = False) -> dict[str, Any]:
+def bottom_line(
+    clock: StepClock,
+    lookup: dict[str, float],
+    direct: bool = False,
+    counts: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """``summary()["step"]``: the median steady step, the saving per step and its shares.
 
     ``saved_share`` is the saving as a share of the step it came from (the steady step
     plus the saving: the step with full guards); ``guards_share`` the share of the
-    steady step that guards still take. ``None`` where not measured, and ``why`` says
-    why. ``direct``: the run dispatches directly (turbo); ``note`` says what the steady
-    figure then leaves out.
+    steady step that guards still take. ``None`` where not measured (the lookup windows
+    measure it, ``measure_lookup=True``), and ``why`` says why. ``direct``: the run
+    dispatches directly (turbo); ``note`` says what the steady figure then leaves out.
+    ``counts`` (the run's counters: steady calls served, the guards a full-guards call
+    evaluates, the bench's figure for the preset) are added as they are, measured or not.
     """
     clock.collect()
     times = list(clock.times)
@@ -123,7 +130,7 @@ def bottom_line(clock: StepClock, lookup: dict[str, float], direct: bool = False
     if median is None:
         why = "fewer than 2 steady training steps"
     elif saved is None:
-        why = "the lookup windows did not run (several processes, or measure_lookup=False)"
+        why = "not measured in this run (measure_lookup=False, or several processes)"
     return {
         "steady_steps": len(times),
         "median_us": None if median is None else round(median, 1),
@@ -136,6 +143,7 @@ def bottom_line(clock: StepClock, lookup: dict[str, float], direct: bool = False
         else round(lookup["steady"] / median, 4),
         "why": why,
         "note": _DIRECT_NOTE if direct and saved is not None else None,
+        **(counts or {}),
     }
 
 

@@ -15,6 +15,7 @@ from guardtrain.engine import warmstart
 from guardtrain.engine.run import Run
 from guardtrain.engine.steps import bottom_line
 from guardtrain.engine.targets import TargetSet, label
+from guardtrain.presets import AUTO, BENCH_GUARD_SHARE
 
 __all__ = ["build", "gather_rearms"]
 
@@ -56,7 +57,7 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "own_code": [{"target": label(t, root), "why": t.own_code} for t in ts.kept if t.own_code],
         "direct_dispatch": _direct(e),
         "auto": _auto(e),
-        "step": bottom_line(e.steps, lookup, e.levers.direct_dispatch),
+        "step": bottom_line(e.steps, lookup, e.levers.direct_dispatch, _counts(e)),
         "caught_changes": _caught(e),
         "state_swaps": ts.swaps + sum(t.kept.swaps for t in ts.kept),
         "full_guard_targets": [dict(h) for h in e.ledger.handed_over],
@@ -69,6 +70,21 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "disabled": e.config.disabled,
         "compile_cache": warmstart.summary(compile_cache),
         "optimizers": e.optimizers.summary(),
+    }
+
+
+def _counts(e: Run) -> dict[str, Any]:
+    """The bottom line from counters, on every run: the calls served in the steady state
+    (run directly, or ``generate()``'s under the stance), the guards a call of the targets
+    evaluates with full guards (what the steady state skips), and the bench's own figure
+    for the preset, named as the bench's (:data:`~guardtrain.presets.BENCH_GUARD_SHARE`)."""
+    ts = e.targets
+    preset = "turbo" if e.config.preset == AUTO else e.config.preset
+    share = BENCH_GUARD_SHARE.get(preset) if e.levers.use_stance else None
+    return {
+        "served_calls": _direct(e)["calls"] + _decode(e)["served"],
+        "guards_per_call": sum(t.code.guard_count for t in ts.kept),
+        "bench_guard_share": share,
     }
 
 

@@ -74,18 +74,31 @@ def _step_lines(s: dict[str, Any]) -> list[str]:
     if auto:
         lines.append(f"  auto chose       {auto['chose']} ({auto['why']})")
     step = s.get("step") or {}
-    if step.get("median_us") is None:
+    if not step:
         return lines
-    text = f"  step (steady)    {step['median_us'] / 1e3:.2f} ms median of {step['steady_steps']}"
-    if step.get("saved_us") is not None:
-        text += (
-            f"; guardtrain saved {step['saved_us']:.1f} µs/step "
-            f"({100 * step['saved_share']:.1f}% of the step with full guards), "
-            f"guards take {100 * step['guards_share']:.1f}% of it"
+    if step.get("median_us") is not None:
+        text = (
+            f"  step (steady)    {step['median_us'] / 1e3:.2f} ms median of {step['steady_steps']}"
         )
-    else:
-        text += f"; saving {step['why']}"
-    lines.append(text)
+        if step.get("saved_us") is not None:
+            text += (
+                f"; guardtrain saved {step['saved_us']:.1f} µs/step "
+                f"({100 * step['saved_share']:.1f}% of the step with full guards), "
+                f"guards take {100 * step['guards_share']:.1f}% of it"
+            )
+        else:
+            text += f"; the run's own saving {step['why']}"
+        lines.append(text)
+    counted = (
+        f"  counted          {step.get('served_calls', 0)} calls served steady; a call with "
+        f"full guards evaluates {step.get('guards_per_call', 0)} guards"
+    )
+    if step.get("bench_guard_share") is not None:
+        counted += (
+            f"; the bench measured {s['preset']}'s guard and pre-graph time per call at "
+            f"{100 * step['bench_guard_share']:.1f}% of plain compile's (docs/bench.md)"
+        )
+    lines.append(counted)
     return lines
 
 
