@@ -187,7 +187,7 @@ def test_bottom_line_figures_are_consistent() -> None:
     turbo = bottom_line(clock, {"full_guards": 50.0, "steady": 0.0}, direct=True)
     assert turbo["saved_us"] == 50.0 and "direct calls' own checks" in turbo["note"]
     unmeasured = bottom_line(clock, {})
-    assert unmeasured["saved_us"] is None and "lookup windows did not run" in unmeasured["why"]
+    assert unmeasured["saved_us"] is None and "not measured in this run" in unmeasured["why"]
     assert bottom_line(StepClock(), {})["why"] == "fewer than 2 steady training steps"
 
 

@@ -57,7 +57,7 @@ SAMPLES: dict[str, list[tuple[str, Any]]] = {
     "verify_atol": [("0.001", 0.001)],
     "guard_collectives": [("true", True)],
     "compile_optimizer": [("true", True)],
-    "measure_lookup": [("false", False)],
+    "measure_lookup": [("true", True)],
     "lookup_window": [("2", 2)],
     "compile_cache": [(CACHE_FILE, CACHE_FILE)],
 }

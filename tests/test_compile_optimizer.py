@@ -290,7 +290,14 @@ def test_the_step_is_a_target_of_the_run() -> None:
 
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    tuner = guard_tuner(model, "turbo", compile_kwargs=AOT, compile_optimizer=True, optimizers=opt)
+    tuner = guard_tuner(
+        model,
+        "turbo",
+        compile_kwargs=AOT,
+        compile_optimizer=True,
+        optimizers=opt,
+        measure_lookup=True,
+    )
     g = torch.Generator().manual_seed(1)
     with tuner:
         assert any("compiled step of a Adam" in c for c in PROCESS.changed()), PROCESS.changed()

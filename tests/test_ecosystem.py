@@ -210,7 +210,7 @@ def test_validate_test_predict_after_fit(
     for run in ("eager", "guarded"):
         L.seed_everything(0, verbose=False)
         model = NetPredicting()
-        cb = guard() if run == "guarded" else None
+        cb = guard(measure_lookup=True) if run == "guarded" else None
         trainer = make_trainer([cb] if cb else [], inference_mode=inference_mode)
         train, val = loaders()
         trainer.fit(model, train, val)

@@ -265,7 +265,7 @@ def test_bert_padding_an_audit_batch_with_new_shapes_stays_steady(tmp_path: Path
     eager = bert_trainer(tmp_path / "eager", [])
     eager.train()
     # About aggressive's lookup window (turbo runs none): also under --turbo-everywhere.
-    cb = guard(compile_kwargs={"backend": "eager"}, measure_lookup=None, direct_dispatch=False)
+    cb = guard(compile_kwargs={"backend": "eager"}, measure_lookup=True, direct_dispatch=False)
     guarded = bert_trainer(tmp_path / "guarded", [cb])
     guarded.train()
     assert losses(guarded) == losses(eager) and len(losses(eager)) == 39

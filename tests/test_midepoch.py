@@ -31,7 +31,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import fit, guard, guard_tuner, guard_without_lookup, loaders, stance_on
+from helpers import fit, guard, guard_tuner, loaders, stance_on
 from torch import nn
 
 from guardtrain import PRESETS
@@ -609,8 +609,8 @@ def run_trainer(case: Case, preset: str | None, lookup: bool = False, **kwargs: 
     model = Host(case)
     callbacks = []
     if preset is not None:
-        make = guard if lookup else guard_without_lookup
-        callbacks.append(make(preset, **{**WARMUP, **case.options, **kwargs}))
+        options = {**WARMUP, **case.options, **kwargs}
+        callbacks.append(guard(preset, measure_lookup=lookup, **options))
     fit(model, callbacks, data=DATA, max_epochs=1, limit_val_batches=0)
     run = model.record
     run.weights = {k: v.detach().clone() for k, v in model.net.state_dict().items()}

@@ -347,7 +347,7 @@ def test_direct_calls_match_the_normal_path_bitwise() -> None:
 
 @pytest.mark.parametrize("preset", ["aggressive", "turbo"])
 def test_lightning_run_matches_eager(preset: str) -> None:
-    cb, _ = compare(NetModule, lambda: guard(preset), max_epochs=3)
+    cb, _ = compare(NetModule, lambda: guard(preset, measure_lookup=True), max_epochs=3)
     s = cb.summary()
     assert s["steady_steps"] > 0
     direct = s["direct_dispatch"]
