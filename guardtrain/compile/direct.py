@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from guardtrain._torch import guards, live_codes
 from guardtrain.compile.caches import in_key
 from guardtrain.compile.symbolic import beyond_arguments, has_shape_guards, symbolic_dims
 from guardtrain.compile.trampoline import TRAMPOLINE_GLOBALS, cache_entry_list
@@ -22,15 +23,7 @@ from guardtrain.guardcheck import check as _guard_check
 
 __all__ = ["DIRECT_LIMIT", "DirectEntry", "direct_supported", "live_codes", "whole"]
 
-_guards = torch._C._dynamo.guards
-live_codes: dict[int, Any] | None = getattr(
-    getattr(torch._dynamo.utils, "orig_code_map", None), "values", None
-)
-"""Dynamo's map from each compiled entry's code to its original code, keyed by ``id``.
-
-``torch._dynamo.reset()`` empties it in place, and an entry's code stays alive while
-a dispatch holds it, so ``id(code) in live_codes`` tells whether Dynamo still knows
-the entry (H30)."""
+_guards = guards
 DIRECT_LIMIT = 8
 """Entries harvested per mode (input signatures, e.g. a short last batch)."""
 
