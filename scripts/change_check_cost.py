@@ -194,7 +194,7 @@ def turbo_whole(model: nn.Module, args: tuple[Any, ...]) -> float:
             target = model.forward._guardtrain_target  # type: ignore[union-attr]
             with tuner.step((args[0],)):
                 out = model(*args)
-            entries = [e for table in target.dispatch_table.values() for e in table]
+            entries = [e for table in target.learnt.dispatch_table.values() for e in table]
             assert entries, "turbo harvested no entry: not steady"
             for entry in entries:
                 entry.fn = lambda *a, **k: out

@@ -1,7 +1,7 @@
 """Turbo's direct dispatch: one harvested cache entry, and what a call must match to run it.
 
 Under the stance a target with ``direct_dispatch`` keeps a *dispatch table* per call
-mode (``CompiledTarget.dispatch_table``): the entries Dynamo chose for real calls,
+mode (``target.learnt.dispatch_table``): the entries Dynamo chose for real calls,
 each a :class:`DirectEntry`. A later call whose key, global state and tensors match
 one runs its code directly, below Dynamo's entry path (H30); harvesting is in
 :mod:`guardtrain.compile.harvest`.
