@@ -264,7 +264,8 @@ def _stub_every_code(target: Any, out: Any) -> None:
 
 def flip_cost() -> dict[str, float]:
     """ns per call: a call after a flip back to a known state, against a steady call."""
-    from guardtrain.bench.workloads.dpo import tiny_lora_llama
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks/
+    from benchmarks.dpo import tiny_lora_llama
 
     model = tiny_lora_llama()  # the DPO workload's peft LoRA Llama
     ids = torch.randint(1, 64, (4, 12))

@@ -1,7 +1,7 @@
 """The engine's contract with its adapters, kept by walking their code.
 
 The adapters (the Lightning callback, ``GuardTuner``, the Trainer callback, what they
-share) and the bench drive a :class:`~guardtrain.engine.engine.GuardEngine` through
+share), the bench and the speed suite (``benchmarks/``) drive a :class:`~guardtrain.engine.engine.GuardEngine` through
 what it shows, and nothing else: they never reach its parts (``engine.run``, its phase
 machine, its Dynamo settings, a private name), torch's stance, Dynamo's config or the
 guard-collectives hook. What guardtrain changes in the process goes through
@@ -25,6 +25,7 @@ ADAPTERS = [
     "guardtrain/hf_accelerate.py",
     "guardtrain/view.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "guardtrain/bench").glob("*.py")),
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py")),
 ]
 
 PARTS = {"run", "dynamo", "machine", "session", "_repairs", "_batches"}
