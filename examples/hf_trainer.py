@@ -5,9 +5,9 @@
     python examples/hf_trainer.py --torch-compile   # TrainingArguments(torch_compile=True)
     python examples/hf_trainer.py --no-guard        # the same run without guardtrain
 
-The model is built from a config with random weights (``tiny_gpt2_config``: 2 layers,
+The model is built from a config with random weights (:data:`CONFIG`: 2 layers,
 2 heads) and the data is random token ids of varying length, padded per batch
-(``pad``, as ``DataCollatorWithPadding`` does): no hub access, no tokenizer. The run prints the losses, the
+(:func:`pad`, as ``DataCollatorWithPadding`` does): no hub access, no tokenizer. The run prints the losses, the
 evaluation loss and guardtrain's summary; ``main()`` returns the evaluation loss and the
 summary.
 """
@@ -20,10 +20,32 @@ import tempfile
 from typing import Any
 
 import torch
-from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
 from guardtrain import GuardTrainerCallback
-from guardtrain.bench.hf_data import pad, tiny_gpt2_config  # DataCollatorWithPadding's job
+
+#: A tiny GPT-2: 2 layers of width 64, 2 heads, 128 tokens, 64 positions.
+CONFIG = {
+    "vocab_size": 128,
+    "n_positions": 64,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 2,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+
+def pad(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``DataCollatorWithPadding``'s job: pad to the longest sequence of the batch, with an
+    attention mask, and labels that ignore the padding (-100)."""
+    n = max(len(x["input_ids"]) for x in items)
+    ids = torch.zeros(len(items), n, dtype=torch.long)
+    mask = torch.zeros(len(items), n, dtype=torch.long)
+    for i, x in enumerate(items):
+        ids[i, : len(x["input_ids"])] = x["input_ids"]
+        mask[i, : len(x["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -52,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # the summary is printed
     torch.set_num_threads(1)
     set_seed(0)
-    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=128, n_embd=64))
+    model = GPT2LMHeadModel(GPT2Config(**CONFIG))
     callbacks: list[Any] = []
     compile_args: dict[str, Any] = {}
     if opts.torch_compile:

@@ -1,7 +1,7 @@
 """Guard filters by name, their composition, and the soundness floor.
 
 A guard filter is what ``torch.compile(options={"guard_filter_fn": f})``
-takes: a function of a list of ``torch._dynamo.types.GuardFilterEntry`` that
+takes: a function of a list of Dynamo's ``GuardFilterEntry`` records that
 returns one ``bool`` per entry (``True`` keeps the guard).
 
 Named filters (:data:`NAMED_FILTERS`) wrap PyTorch's own
@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, Union
 from guardtrain.errors import GuardTrainTypeError, GuardTrainValueError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch._dynamo.types import GuardFilterEntry
+    from guardtrain._torch import GuardFilterEntry
 
 GuardFilter = Callable[[Sequence["GuardFilterEntry"]], Sequence[bool]]
 FilterSpec = Union[str, GuardFilter, Sequence[str | GuardFilter], None]
@@ -100,13 +100,10 @@ def floor_guard_types() -> frozenset[str]:
     the names of :data:`GLOBAL_STATE_GUARD_TYPES` that its ``GuardBuilder`` defines.
     Also ``filters.FLOOR_GUARD_TYPES``; read on first use (``import guardtrain`` does not
     import torch)."""
-    try:
-        from torch._dynamo.guards import GuardBuilder
-    except ImportError:  # pragma: no cover - another torch layout: keep every name
-        return frozenset(GLOBAL_STATE_GUARD_TYPES)
-    return frozenset(
-        n for n in GLOBAL_STATE_GUARD_TYPES if callable(getattr(GuardBuilder, n, None))
-    )
+    from guardtrain._torch import guard_builder_names
+
+    names = guard_builder_names()
+    return frozenset(n for n in GLOBAL_STATE_GUARD_TYPES if n in names)
 
 
 def __getattr__(name: str) -> Any:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from guardtrain._torch import set_torch_function_state as _set_state
+from guardtrain._torch import torch_function_state as _get_state
 
 __all__ = ["check"]
-
-_get_state = torch._C._get_torch_function_state  # type: ignore[attr-defined]
-_set_state = torch._C._set_torch_function_state  # type: ignore[attr-defined]
 
 
 def check(manager: Any, scope: Any) -> bool:

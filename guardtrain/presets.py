@@ -38,7 +38,7 @@ entry breaks with full guards and the others directly, never under the stance (a
 target with no entry that runs whole is split first). FSDP runs and
 ``guard_collectives=True`` are refused, and the summary says why.
 
-Recursive dict tags (``torch._dynamo.config.use_recursive_dict_tags_for_guards``)
+Recursive dict tags (Dynamo's config ``use_recursive_dict_tags_for_guards``)
 stay at torch's default in every preset (``recursive_dict_tags=None``): PyTorch
 switched them off by default after segfaults (pytorch/pytorch#181873), and
 torch 2.13 has them off. Pass ``recursive_dict_tags=True`` to turn them on anyway
@@ -102,11 +102,11 @@ class GuardPreset:
     """The stance is entered only when none of the last ``stable_steps`` batches compiled."""
 
     recursive_dict_tags: bool | None = None
-    """``torch._dynamo.config.use_recursive_dict_tags_for_guards`` during the run;
+    """Dynamo's config ``use_recursive_dict_tags_for_guards`` during the run;
     ``None``: torch's default (the config is left alone)."""
 
     install_free_tensors: bool = False
-    """Compile with ``torch._dynamo.config.install_free_tensors`` (each target gets a private cache)."""
+    """Compile with Dynamo's config ``install_free_tensors`` (each target gets a private cache)."""
 
     guard_filter: str | None = None
     """Name of a filter in :mod:`guardtrain.filters`, or ``None`` to keep every guard."""

@@ -4,7 +4,7 @@
 their reasons. Compiles are counted by the guard filter every target installs:
 Dynamo calls it once per frame compilation (graph-break resume frames
 included), never for a lazily compiled backward, and it keeps working across
-``torch._dynamo.reset()`` (H6). The reason is Dynamo's own recompile reason.
+Dynamo's ``reset()`` (H6). The reason is Dynamo's own recompile reason.
 
 :class:`LookupWindow` measures Dynamo's per-call guard and pre-graph time inside
 a run, over a short window. It turns PyTorch's profiler on for a few compiled calls and
@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from guardtrain._torch import compile_seconds, profiler_enabled
 
 __all__ = [
     "GUARD_EVENT",
@@ -106,19 +108,8 @@ class CompileMonitor:
         return self.seconds + compile_seconds() - self.seconds_at_start
 
 
-def compile_seconds() -> float:
-    """Torch's own count of the seconds this process spent compiling: Dynamo's frame
-    compiles and the backward graphs compiled on their first use (``total_wall_time``)."""
-    spent = torch._dynamo.utils.calculate_time_spent()
-    return float(spent.get("total_wall_time", 0.0))
-
-
-def profiler_active() -> bool:
-    """Whether a PyTorch profiler (autograd or kineto) is recording in this process."""
-    if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
-        return True
-    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
-    return bool(enabled()) if enabled is not None else False
+profiler_active = profiler_enabled
+"""Whether a PyTorch profiler (autograd or kineto) is recording in this process."""
 
 
 def _median(values: Sequence[float]) -> float:

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from guardtrain._torch import guards
 from guardtrain.compile.caches import class_dicts
 
 __all__ = ["SameSignature", "batch_signature", "describe_signature"]
@@ -60,14 +61,8 @@ def batch_signature(batch: Any) -> Any:
     return _container_signature(batch)
 
 
-_TensorGuards: Any = None
+_TensorGuards: Any = getattr(guards, "TensorGuards", None)
 """Dynamo's C++ tensor check; absent (or another constructor) in another torch: no fast path."""
-try:
-    from torch._C._dynamo import guards as _dynamo_guards
-
-    _TensorGuards = getattr(_dynamo_guards, "TensorGuards", None)
-except ImportError:  # pragma: no cover - torch without Dynamo's C++ guards
-    pass
 
 
 class SameSignature:

@@ -52,9 +52,9 @@ def _name(v: tuple[int, int]) -> str:
 def risky_dict_tags_default(version: str | None = None) -> bool:
     """Whether this torch has recursive dict tags on by default and still segfault-prone:
     a default of ``True`` before :data:`DICT_TAGS_FIXED` (2.10, 2.11)."""
-    import torch._dynamo.config as cfg
+    from guardtrain._torch import dynamo_config
 
-    default = bool(getattr(cfg, "use_recursive_dict_tags_for_guards", False))
+    default = bool(getattr(dynamo_config, "use_recursive_dict_tags_for_guards", False))
     return default and release(version) < DICT_TAGS_FIXED
 
 

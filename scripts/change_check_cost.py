@@ -194,7 +194,7 @@ def turbo_whole(model: nn.Module, args: tuple[Any, ...]) -> float:
             target = model.forward._guardtrain_target  # type: ignore[union-attr]
             with tuner.step((args[0],)):
                 out = model(*args)
-            entries = [e for table in target.dispatch_table.values() for e in table]
+            entries = [e for table in target.learnt.dispatch_table.values() for e in table]
             assert entries, "turbo harvested no entry: not steady"
             for entry in entries:
                 entry.fn = lambda *a, **k: out
@@ -264,7 +264,8 @@ def _stub_every_code(target: Any, out: Any) -> None:
 
 def flip_cost() -> dict[str, float]:
     """ns per call: a call after a flip back to a known state, against a steady call."""
-    from guardtrain.bench.workloads.dpo import tiny_lora_llama
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks/
+    from benchmarks.dpo import tiny_lora_llama
 
     model = tiny_lora_llama()  # the DPO workload's peft LoRA Llama
     ids = torch.randint(1, 64, (4, 12))

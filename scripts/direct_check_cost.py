@@ -83,8 +83,8 @@ def main() -> None:
         assert target.direct_calls > 0, "no direct calls: not in the steady state"
         with tuner.step(xs):
             model(*xs)  # harvest, in this batch, for the training mode
-            mode = next(iter(target.dispatch_table))
-            direct = target.dispatch_table[mode][0]
+            mode = next(iter(target.learnt.dispatch_table))
+            direct = target.learnt.dispatch_table[mode][0]
             assert (direct.manager is not None) == diff
             scope = lambda: target.call_scope(xs, {})  # noqa: E731
             found = gc.call_key(xs, {})

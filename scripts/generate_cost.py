@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from guardtrain import GuardTuner
-from guardtrain.bench.hf_data import tiny_llama_config
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks/
+from benchmarks.hf_data import tiny_llama_config
 
 
 def main() -> None:

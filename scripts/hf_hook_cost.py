@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,10 +31,12 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from guardtrain import GuardTrainerCallback
-from guardtrain.bench.models import tiny_gpt2
 from guardtrain.compile import assertions as _assertions
 from guardtrain.fingerprints import module_fingerprint
 from guardtrain.hf_accelerate import Hook
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks/
+from benchmarks.hf_data import tiny_gpt2
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
+from benchmarks.hf_data import Tokens, pad, tiny_gpt2_config
 from guardtrain import GuardTrainerCallback
-from guardtrain.bench.hf_data import Tokens, pad, tiny_gpt2_config
 from guardtrain.engine.process import stance_is_unsafe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,6 +28,7 @@ from guardtrain.compile.accept import (
     stance_choice,
 )
 from guardtrain.compile.call_mode import call_key, masked, structure
+from guardtrain.compile.known_states import Learnt
 
 X = torch.randn(2, 3)
 MODE = (True, True, False, False)
@@ -82,10 +83,7 @@ def _target(graph_breaks: bool = False) -> SimpleNamespace:
         code=SimpleNamespace(trampoline=object(), graph_breaks=graph_breaks),
         call_scope=lambda args, kwargs: {"args": args, "kwargs": kwargs},
         checks=0,
-        accepted={},
-        accepted_masked={},
-        full_keys={},
-        delegated={},
+        learnt=Learnt(),
         last_key=None,
         last_mode=None,
     )
@@ -188,9 +186,9 @@ def test_full_guards_are_remembered_only_when_an_entry_accepts(cache: list[Any])
     cache += [_entry(_manager(_arg(1)))]
     target = _target()
     assert remember_full_guards(target, MODE, ("k2",), (X, 2), {}) is False
-    assert target.full_keys == {}
+    assert target.learnt.full_keys == {}
     assert remember_full_guards(target, MODE, ("k1",), (X, 1), {}) is True
-    assert target.full_keys == {MODE: {("k1",)}}
+    assert target.learnt.full_keys == {MODE: {("k1",)}}
 
 
 def test_remembered_full_guard_keys_start_again_past_the_limit(cache: list[Any]) -> None:
@@ -198,9 +196,9 @@ def test_remembered_full_guard_keys_start_again_past_the_limit(cache: list[Any])
     target = _target()
     for i in range(ACCEPT_LIMIT):
         assert remember_full_guards(target, MODE, (i,), (X,), {})
-    assert len(target.full_keys[MODE]) == ACCEPT_LIMIT
+    assert len(target.learnt.full_keys[MODE]) == ACCEPT_LIMIT
     assert remember_full_guards(target, MODE, ("new",), (X,), {})
-    assert target.full_keys[MODE] == {("new",)}
+    assert target.learnt.full_keys[MODE] == {("new",)}
 
 
 # -- admit (H26, H32, H44) ----------------------------------------------------------------------------
@@ -222,7 +220,7 @@ def test_a_key_the_stances_choice_accepts_is_admitted_and_remembered(cache: list
     target = _target()
     assert _admit(target, X, 1) == ADMITTED
     key = _key(X, 1)
-    assert target.accepted == {MODE: {key}}
+    assert target.learnt.accepted == {MODE: {key}}
     assert (target.last_key, target.last_mode) == (key, MODE)
     assert _evaluations(manager) == 1
     assert _admit(target, X, 1) == ADMITTED  # remembered: no guard evaluated again
@@ -238,7 +236,10 @@ def test_a_key_whose_stance_entry_breaks_the_graph_runs_with_full_guards(
     cache += [_entry(_manager(_arg(1), diff=_always), code=broken)]
     target = _target(graph_breaks=True)
     assert _admit(target, X, 1) == FULL_GUARDS
-    assert target.full_keys == {MODE: {_key(X, 1)}} and target.accepted.get(MODE) == set()
+    assert (
+        target.learnt.full_keys == {MODE: {_key(X, 1)}}
+        and target.learnt.accepted.get(MODE) == set()
+    )
     assert target.last_key is None
     cache[0] = _entry(_manager(_arg(1), diff=_always))  # an entry that runs whole
     assert _admit(_target(graph_breaks=True), X, 1) == ADMITTED
@@ -262,8 +263,8 @@ def test_a_plain_argument_no_entry_was_compiled_against_is_missed(cache: list[An
     assert _admit(target, X, 1) == ADMITTED
     before = (target.last_key, target.last_mode)
     assert _admit(target, X, 2) == MISSED
-    assert _key(X, 2) not in target.accepted[MODE]
-    assert target.full_keys == {}  # nothing remembered for a miss
+    assert _key(X, 2) not in target.learnt.accepted[MODE]
+    assert target.learnt.full_keys == {}  # nothing remembered for a miss
     assert (target.last_key, target.last_mode) == before
 
 
@@ -276,8 +277,8 @@ def test_another_entry_accepting_runs_with_full_guards_and_is_remembered(
     cache += [_entry(stance_pick), _entry(other)]
     target = _target()
     assert _admit(target, X, 2) == FULL_GUARDS
-    assert target.full_keys == {MODE: {_key(X, 2)}}
-    assert target.accepted.get(MODE) == set()  # not admitted under the stance
+    assert target.learnt.full_keys == {MODE: {_key(X, 2)}}
+    assert target.learnt.accepted.get(MODE) == set()  # not admitted under the stance
     assert target.last_key is None
     seen = _evaluations(stance_pick, other)
     assert _admit(target, X, 2) == FULL_GUARDS  # remembered: no guard evaluated again
@@ -288,8 +289,8 @@ def test_an_admitted_key_wins_over_a_remembered_full_guard_key(cache: list[Any])
     cache += [_entry(_manager(_always, diff=_always))]
     target = _target()
     key = _key(X, 1)
-    target.full_keys[MODE] = {key}
-    target.accepted[MODE] = {key}
+    target.learnt.full_keys[MODE] = {key}
+    target.learnt.accepted[MODE] = {key}
     assert _admit(target, X, 1) == ADMITTED
 
 
@@ -303,8 +304,8 @@ def test_delegated_values_are_the_plain_values_in_the_diff_guards(cache: list[An
     assert admit(target, MODE, key, args, kwargs) == ADMITTED
     # positions: 0 count, 1 the tensor (a source, but not a plain value), 2 the int,
     # 3 the str (no diff guard), 4 the keyword names, 5 the flag.
-    assert target.delegated == {structure(key): frozenset({2, 5})}
-    assert target.accepted_masked == {MODE: {masked(key, frozenset({2, 5}))}}
+    assert target.learnt.delegated == {structure(key): frozenset({2, 5})}
+    assert target.learnt.accepted_masked == {MODE: {masked(key, frozenset({2, 5}))}}
 
 
 def test_a_new_value_the_stance_checks_itself_is_admitted_without_guards(
@@ -320,7 +321,7 @@ def test_a_new_value_the_stance_checks_itself_is_admitted_without_guards(
     assert _admit(target, X, 4) == ADMITTED
     assert _evaluations(manager) == seen
     assert target.last_key == _key(X, 4)
-    assert _key(X, 4) not in target.accepted[MODE]  # only its masked key stands for it
+    assert _key(X, 4) not in target.learnt.accepted[MODE]  # only its masked key stands for it
     assert _admit(target, X, 4.0) == ADMITTED  # another type: another structure
     assert _evaluations(manager) > seen
 
@@ -330,8 +331,8 @@ def test_a_new_value_the_stance_does_not_check_evaluates_the_guards(cache: list[
     cache += [_entry(manager)]
     target = _target()
     assert _admit(target, X, 3) == ADMITTED
-    assert target.delegated == {structure(_key(X, 3)): frozenset()}
-    assert target.accepted_masked == {MODE: set()}
+    assert target.learnt.delegated == {structure(_key(X, 3)): frozenset()}
+    assert target.learnt.accepted_masked == {MODE: set()}
     seen = _evaluations(manager)
     assert _admit(target, X, 4) == ADMITTED
     assert _evaluations(manager) > seen
@@ -344,7 +345,7 @@ def test_delegated_positions_are_found_once_per_structure(cache: list[Any]) -> N
     assert _admit(target, X, 3) == ADMITTED
     cache[0].guard_manager.diff_guard_sources = set()
     assert _admit(target, X, 5) == ADMITTED
-    assert target.delegated == {structure(_key(X, 3)): frozenset({2})}
+    assert target.learnt.delegated == {structure(_key(X, 3)): frozenset({2})}
 
 
 def test_admitted_keys_start_again_past_the_limit(cache: list[Any]) -> None:
@@ -354,7 +355,7 @@ def test_admitted_keys_start_again_past_the_limit(cache: list[Any]) -> None:
     target = _target()
     for i in range(ACCEPT_LIMIT):
         assert _admit(target, X, i, "a") == ADMITTED
-    assert len(target.accepted[MODE]) == ACCEPT_LIMIT
+    assert len(target.learnt.accepted[MODE]) == ACCEPT_LIMIT
     assert _admit(target, X, "new", "a") == ADMITTED
-    assert target.accepted[MODE] == {_key(X, "new", "a")}
-    assert len(target.accepted_masked[MODE]) == 1
+    assert target.learnt.accepted[MODE] == {_key(X, "new", "a")}
+    assert len(target.learnt.accepted_masked[MODE]) == 1

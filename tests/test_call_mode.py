@@ -293,13 +293,13 @@ def test_graph_module_hooks_are_inlined_and_checked() -> None:
 
 def test_a_torch_without_the_hooks_function_always_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as patch:
-        patch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+        patch.setattr(call_mode, "has_saved_hooks_check", False)
         assert inlined_hooks_active() is True
     assert inlined_hooks_active() is False
 
 
 def test_without_aot_autograds_test_any_hooks_are_inlined(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(call_mode, "_hooks_inlineable", lambda: None)
+    monkeypatch.setattr(call_mode, "hooks_inlineable", lambda pair: None)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert inlined_hooks_active() is True
 
@@ -351,10 +351,11 @@ def test_dispatch_mode_follows_dynamos_config(
     """The test Dynamo's ``convert_frame`` uses under each value of its config."""
     # Dynamo's config module, not monkeypatch: its undo would delete the option.
     with torch._dynamo.config.patch(inline_torch_dispatch_torch_compile=inline):
-        monkeypatch.setattr(call_mode, "_any_mode_on_stack", lambda: inline)
-        monkeypatch.setattr(call_mode, "_any_mode", lambda: not inline)
+        monkeypatch.setattr(call_mode, "dispatch_mode_on_stack", lambda: inline)
+        monkeypatch.setattr(call_mode, "any_dispatch_mode", lambda: not inline)
         assert dispatch_mode_active() is True
-        monkeypatch.setattr(call_mode, "_any_mode_on_stack" if inline else "_any_mode", lambda: 0)
+        on = "dispatch_mode_on_stack" if inline else "any_dispatch_mode"
+        monkeypatch.setattr(call_mode, on, lambda: 0)
         assert dispatch_mode_active() is False
     assert torch._dynamo.config.inline_torch_dispatch_torch_compile is True
 

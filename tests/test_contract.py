@@ -1,7 +1,7 @@
 """The engine's contract with its adapters, kept by walking their code.
 
 The adapters (the Lightning callback, ``GuardTuner``, the Trainer callback, what they
-share) and the bench drive a :class:`~guardtrain.engine.engine.GuardEngine` through
+share), the bench and the speed suite (``benchmarks/``) drive a :class:`~guardtrain.engine.engine.GuardEngine` through
 what it shows, and nothing else: they never reach its parts (``engine.run``, its phase
 machine, its Dynamo settings, a private name), torch's stance, Dynamo's config or the
 guard-collectives hook. What guardtrain changes in the process goes through
@@ -25,6 +25,7 @@ ADAPTERS = [
     "guardtrain/hf_accelerate.py",
     "guardtrain/view.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "guardtrain/bench").glob("*.py")),
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py")),
 ]
 
 PARTS = {"run", "dynamo", "machine", "session", "_repairs", "_batches"}
@@ -112,3 +113,36 @@ def test_the_walk_sees_a_reach() -> None:
     assert [a for _, a in _engine_reads(code)] == ["run", "machine"]
     assert len(_process_writes(code)) == 2
     assert "run" in PARTS and "run" not in _shown() - PARTS
+
+
+# -- one door to PyTorch's internals -----------------------------------------------------------
+
+PRIVATE_TORCH = (
+    "torch._dynamo",
+    "torch._C",
+    "torch._guards",
+    "torch._inductor",
+    "torch._subclasses",
+    "torch._functorch",
+    "torch._logging",
+)
+"""Private PyTorch names: the package reaches them through ``guardtrain/_torch.py`` alone."""
+DOOR = "guardtrain/_torch.py"
+
+
+def test_private_torch_names_are_reached_through_one_module() -> None:
+    """Outside the door (and the bench), no file of the package names a private PyTorch
+    module, in code, docstrings or comments: a torch release that moves one breaks one
+    file, whose table says which releases each entry was checked on."""
+    package = ROOT / "guardtrain"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        if name == DOOR or name.startswith("guardtrain/bench/"):
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if any(private in line for private in PRIVATE_TORCH):
+                found.append(f"{name}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+    door = (ROOT / DOOR).read_text(encoding="utf-8")
+    assert "| entry | private source | what for | checked on |" in door

@@ -1,5 +1,7 @@
 """Measured timings in the package's docstrings and comments stay where they inform a choice.
 
+The speed suite beside the package (``benchmarks/``) is held to the same rule.
+
 A timing figure (a number with ``µs``, ``us``, ``ns`` or ``ms``; a ratio such as ``0.95x``
 or a percentage next to words such as *faster*, *slower* or *plain compile*) drifts as
 the code changes, so it appears only where a user picks something by it: the config
@@ -24,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "guardtrain"
+SUITE = ROOT / "benchmarks"
 
 #: The files where a timing figure may stand, with its docs/bench.md citation.
 ALLOWED = frozenset(
@@ -113,7 +116,7 @@ def _blocks(path: Path) -> list[tuple[int, str]]:
 def offenders() -> list[str]:
     """``file:line: figure`` of every timing figure out of place, or uncited in place."""
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted([*PACKAGE.rglob("*.py"), *SUITE.rglob("*.py")]):
         rel = path.relative_to(ROOT).as_posix()
         for start, block in _blocks(path):
             figures = timing_figures(block)

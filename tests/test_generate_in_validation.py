@@ -41,7 +41,7 @@ pytest.importorskip("transformers")
 
 from transformers import LlamaForCausalLM
 
-from guardtrain.bench.hf_data import tiny_llama_config
+from benchmarks.hf_data import tiny_llama_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:guardtrain. 'model' breaks the graph")
 

@@ -46,8 +46,8 @@ from transformers import (  # noqa: E402
     set_seed,
 )
 
+from benchmarks.hf_data import Tokens, tiny_bert_config  # noqa: E402
 from guardtrain import GuardTrainerCallback  # noqa: E402
-from guardtrain.bench.hf_data import Tokens, tiny_bert_config  # noqa: E402
 from guardtrain.engine.process import stance_is_unsafe  # noqa: E402
 from guardtrain.hf import default_targets, regional_targets  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""The layout limits of the package, checked mechanically.
+"""The layout limits of the package and of the speed suite (``benchmarks/``), checked
+mechanically.
 
 * files above :data:`MAX_FILE_LINES` lines and classes above :data:`MAX_CLASS_LINES` lines
   (``end_lineno - lineno + 1``, docstrings count) are listed in a warning for review, not
@@ -7,7 +8,7 @@
   ``radon cc --show-closures`` measures it, except one whose ``def`` line (or first
   decorator) is directly preceded by a comment that names its complexity, e.g.
   ``# Complexity 25: the per-call path; split, it measured slower.``;
-* no import cycle among guardtrain's modules, counting every ``import`` in a module:
+* no import cycle among guardtrain's and the suite's modules, counting every ``import`` in a module:
   under ``TYPE_CHECKING``, inside functions, and a package ``__init__``'s re-exports;
 * README.md at most :data:`MAX_README_LINES` lines (details go to docs/);
 * docs/design.md's "Where things live" table names only files that exist, and every
@@ -30,6 +31,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "guardtrain"
+#: The speed suite of real workloads: not installed, held to the package's limits.
+SUITE = ROOT / "benchmarks"
 MAX_FILE_LINES = 500
 MAX_CLASS_LINES = 300
 MAX_COMPLEXITY = 15
@@ -39,7 +42,7 @@ EXEMPTION = re.compile(r"^\s*#\s*Complexity\s+(\d+)\b", re.IGNORECASE)
 
 
 def _files() -> list[Path]:
-    return sorted(PACKAGE.rglob("*.py"))
+    return sorted([*PACKAGE.rglob("*.py"), *SUITE.rglob("*.py")])
 
 
 def _rel(path: Path) -> str:
@@ -216,6 +219,8 @@ def test_import_graph_sees_every_kind_of_import() -> None:
     assert "guardtrain.engine.config" in graph["guardtrain.engine"]  # __init__ re-export
     assert "guardtrain.callback" in graph["guardtrain"]  # inside the lazy __getattr__
     assert "guardtrain.filters" in graph["guardtrain.engine.config"]  # from guardtrain import x
+    assert "benchmarks.suite" in graph["benchmarks"]  # the suite's modules are in the graph
+    assert "guardtrain.bench.command" in graph["benchmarks.command"]
 
 
 def test_no_import_cycle() -> None:
@@ -225,7 +230,7 @@ def test_no_import_cycle() -> None:
     for members in cycles:
         edges = [f"{a} -> {b}" for a in members for b in sorted(graph[a]) if b in members]
         described.append(f"{len(members)} modules: " + ", ".join(edges))
-    assert not cycles, "import cycles among guardtrain modules:\n" + "\n".join(described)
+    assert not cycles, "import cycles among the modules:\n" + "\n".join(described)
 
 
 def test_readme_is_a_front_page() -> None:
@@ -237,7 +242,7 @@ def test_readme_is_a_front_page() -> None:
 
 DESIGN = ROOT / "docs" / "design.md"
 #: The package folders whose modules the "Where things live" table must name.
-LISTED_PACKAGES = ("guardtrain", "hydra_plugins/guardtrain_searchpath")
+LISTED_PACKAGES = ("guardtrain", "hydra_plugins/guardtrain_searchpath", "benchmarks")
 #: Modules that need no row: a package's ``__init__`` is its folder's row; ``_version.py``
 #: holds only the version string that pyproject.toml reads.
 UNLISTED_NAMES = frozenset({"__init__.py", "_version.py"})
@@ -278,7 +283,7 @@ def test_where_things_live_is_parsed() -> None:
     assert "guardtrain/engine/" in names  # a folder's row
     assert "guardtrain/engine/decisions.py" in names  # a bare name in the folder's row
     assert "guardtrain/compile/accept.py" in names
-    assert "guardtrain/bench/hf_data.py" in names
+    assert "benchmarks/hf_data.py" in names
 
 
 def test_where_things_live_names_only_what_exists() -> None:

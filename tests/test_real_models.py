@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 transformers = pytest.importorskip("transformers")
 
-from guardtrain.bench.hf_data import tiny_bert_config  # noqa: E402
+from benchmarks.hf_data import tiny_bert_config  # noqa: E402
 
 AOT_EAGER = {"backend": "aot_eager"}
 VOCAB = 64

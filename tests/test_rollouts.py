@@ -35,7 +35,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from guardtrain.bench.hf_data import tiny_llama_config
+from benchmarks.hf_data import tiny_llama_config
 
 AOT = {"backend": "aot_eager"}
 PRESETS = ["aggressive", "turbo", "auto"]

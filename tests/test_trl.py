@@ -72,9 +72,9 @@ from helpers import PlainCompile, assert_compiles_bounded  # noqa: E402
 from hf_helpers import guard, steady_share  # noqa: E402
 from transformers import Cache, LlamaForCausalLM, TrainerCallback  # noqa: E402
 
+from benchmarks.hf_data import tiny_llama_config  # noqa: E402
+from benchmarks.trl_dpo import WORDS, preference_data, word_tokenizer  # noqa: E402
 from guardtrain import versions  # noqa: E402
-from guardtrain.bench.hf_data import tiny_llama_config  # noqa: E402
-from guardtrain.bench.workloads.trl_dpo import WORDS, preference_data, word_tokenizer  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),  # transformers 5's gradient_checkpointing

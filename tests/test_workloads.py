@@ -1,23 +1,25 @@
-"""``guardtrain bench --workload``: the speed suite of real workloads.
+"""``python -m benchmarks --workload``: the speed suite of real workloads, from the checkout.
 
 Each workload runs tiny (``aot_eager``, one round of 2 timed steps) under plain compile
 and ``turbo``: its results are there, every configuration ran the steps asked for, the
 last loss is finite, and every step's loss equals plain compile's bitwise (the same
 data, seeds and steps; ``aot_eager`` is deterministic on the CPU). The command line,
-``--check`` and the report are tested on the cheapest workload and on made-up results.
+``--check`` and the report are tested on the cheapest workload and on made-up results;
+``guardtrain bench --workload`` names the command that runs the suite.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from guardtrain.bench import main
-from guardtrain.bench.workloads import (
+from benchmarks import (
     WORKLOADS,
     SuiteOptions,
     check_suite,
@@ -27,7 +29,11 @@ from guardtrain.bench.workloads import (
     parse_workloads,
     run_suite,
 )
+from benchmarks.command import main
+from guardtrain import bench
 from guardtrain.errors import GuardTrainValueError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -145,8 +151,8 @@ def test_dpo_trl_with_gradient_checkpointing() -> None:
     every step (H47); guardtrain sees each one and never steadies, plain compile matches."""
     pytest.importorskip("trl")
     pytest.importorskip("peft")
-    from guardtrain.bench.workloads import Setting
-    from guardtrain.bench.workloads.trl_dpo import runner
+    from benchmarks import Setting
+    from benchmarks.trl_dpo import runner
 
     turns = {}
     for config in ("compile", "aggressive"):
@@ -232,6 +238,54 @@ def test_command_line_refuses(
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_python_dash_m_benchmarks_runs_from_the_checkout() -> None:
+    """``python -m benchmarks`` from the checkout's root: ``guardtrain bench``'s options and
+    the suite's."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "python -m benchmarks" in done.stdout
+    for option in ("--workload", "--compile-optimizer", "--no-fallback", "--check", "--model"):
+        assert option in done.stdout, option
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--workload", "all", "--check"], "python -m benchmarks --workload all --check"),
+        (["--workload=rl-alternate"], "python -m benchmarks --workload=rl-alternate"),
+        (["--compile-optimizer"], "python -m benchmarks --compile-optimizer --workload NAME"),
+        (["--no-fallback"], "python -m benchmarks --no-fallback --workload NAME"),
+    ],
+)
+def test_guardtrain_bench_names_the_suites_command(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The console script runs no workload: it names the command that does, from a
+    checkout, with the options given."""
+    with pytest.raises(SystemExit) as exc:
+        bench.cli(["bench", *argv])
+    assert exc.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{argv[0].split('=')[0]}: the speed suite of real workloads" in err, err
+    assert f"from a checkout of the guardtrain repository: {named} (the same options)" in err, err
+
+
+def test_guardtrain_bench_help_points_to_the_suite(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.cli(["bench", "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "runs from a checkout of the guardtrain repository: python -m benchmarks" in out
+    assert "--compile-optimizer" not in out and "--no-fallback" not in out
 
 
 def test_parsing() -> None:

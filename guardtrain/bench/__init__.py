@@ -80,23 +80,20 @@ performance targets (:mod:`guardtrain.bench.goals`; among them ``turbo``'s ``no_
 call at or below ``aot``'s on ``transformer`` and ``regional``) and exits with status 1
 when one is missed.
 
-``--workload NAME`` (repeatable, or ``all``) runs the speed suite of real workloads
-instead (:mod:`guardtrain.bench.workloads`): DPO with a peft adapter in a plain loop,
-Lightning, the HF ``Trainer`` and TRL's ``DPOTrainer``, a Lightning GAN with
-``toggle_optimizer``, autocast on every other step, RL-style rollouts and updates, a ViT
-with gradient checkpointing, litgpt under Fabric. Each workload's whole training step
-is timed under plain compile (that library's way) and under the presets, interleaved in
-one process; reported: median ms per step, the ratio of medians to plain compile with its
-range over the rounds, and the facts of each preset's ``summary()``. ``--check`` there
-exits 1 when a preset's ratio is above 1.00.
+The speed suite of real workloads (DPO with peft, TRL, a Lightning GAN, rollouts, litgpt
+under Fabric, ...) is the project's own benchmark: it is not installed with the package
+and runs from a checkout of the repository, ``python -m benchmarks --workload NAME``
+(``benchmarks/``, the same options as this command and the suite's);
+``guardtrain bench --workload`` says so.
 
 Modules: :mod:`~guardtrain.bench.models` (configurations and models),
 :mod:`~guardtrain.bench.runner` (one configuration), :mod:`~guardtrain.bench.measure`
 (the interleaved run), :mod:`~guardtrain.bench.report` (table, JSON, plot),
 :mod:`~guardtrain.bench.anchor` (the ``aot`` anchor),
 :mod:`~guardtrain.bench.goals` (targets), :mod:`~guardtrain.bench.cost`
-(``--callback-cost``), :mod:`~guardtrain.bench.workloads` (``--workload``),
-:mod:`~guardtrain.bench.command` (the command line).
+(``--callback-cost``), :mod:`~guardtrain.bench.optimizer` (``--optimizer-step``),
+:mod:`~guardtrain.bench.timing` (the clocks), :mod:`~guardtrain.bench.command` (the
+command line).
 """
 
 from __future__ import annotations

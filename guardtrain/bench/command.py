@@ -1,12 +1,20 @@
-"""The command line: ``guardtrain bench [options]`` and ``python -m guardtrain.bench``."""
+"""The command line: ``guardtrain bench [options]`` and ``python -m guardtrain.bench``.
+
+The speed suite of real workloads (``--workload``) is the project's own benchmark: it is
+not installed with the package and runs from a checkout of the repository, as
+``python -m benchmarks --workload NAME``, whose command line is this one's
+(:func:`build_parser`, :func:`run`) plus the suite's options. Here ``--workload`` and
+the suite's other options are refused with that command (:func:`main`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -15,23 +23,27 @@ from guardtrain.bench.models import CONFIGS, MODELS, QUICK_MODELS, check_model_s
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.presets import PRESETS
 
-if TYPE_CHECKING:
-    from guardtrain.bench.workloads.suite import SuiteOptions
+__all__ = ["DESCRIPTION", "SUITE_COMMAND", "build_parser", "cli", "main", "run"]
 
-__all__ = ["cli", "main"]
+DESCRIPTION = (
+    "Measure guard, pre-graph, whole-call and training-step time of eager, "
+    "torch.compile, the guardtrain presets, PyTorch's guard-free "
+    "aot_compile().disable_guard_check() (aot) and the unsound floor, interleaved "
+    "in one process."
+)
+SUITE_COMMAND = "python -m benchmarks"
+"""The speed suite's command, run from a checkout of the repository."""
+SUITE_OPTIONS = (
+    ("workload", "--workload"),
+    ("compile_optimizer", "--compile-optimizer"),
+    ("no_fallback", "--no-fallback"),
+)
+"""The speed suite's options: ``guardtrain bench`` refuses them, naming :data:`SUITE_COMMAND`."""
 
 
-def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description=(
-            "Measure guard, pre-graph, whole-call and training-step time of eager, "
-            "torch.compile, the guardtrain presets, PyTorch's guard-free "
-            "aot_compile().disable_guard_check() (aot) and the unsound floor, interleaved "
-            "in one process; or, with --workload, the whole training step of real "
-            "workloads under plain compile and the presets."
-        ),
-    )
+def build_parser(prog: str, description: str = DESCRIPTION) -> argparse.ArgumentParser:
+    """The options of the models bench, ``--callback-cost`` and ``--optimizer-step``."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument(
         "--model",
         action="append",
@@ -49,7 +61,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=None,
-        help="interleaved repeats (default 5; --workload: rounds, default 4, --tiny 2)",
+        help="interleaved repeats (default 5)",
     )
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument(
@@ -89,30 +101,6 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--no-schedule", action="store_true", help="with --optimizer-step: a constant lr"
-    )
-    p.add_argument(
-        "--workload",
-        action="append",
-        metavar="NAME",
-        help="run the speed suite of real workloads instead (repeatable or comma-separated; "
-        "'all'); --configs from eager, compile, off, safe, balanced, aggressive, turbo, "
-        "auto (default: compile, balanced, aggressive, turbo, auto), --repeats rounds "
-        "(default 4), --steps timed steps per turn (default: the workload's); each step "
-        "timed by the thread's CPU time (deciding at one thread) and the wall clock; see "
-        "docs/bench.md",
-    )
-    p.add_argument(
-        "--compile-optimizer",
-        action="store_true",
-        help="with --workload: the presets with compile_optimizer=True, plain compile with "
-        "PyTorch's recipe (torch.compile(opt.step), the learning rate a tensor); the "
-        "workloads whose framework owns the optimizer step are skipped",
-    )
-    p.add_argument(
-        "--no-fallback",
-        action="store_true",
-        help="with --workload: run --backend everywhere, also where a workload says that "
-        "inductor does not fit and would run aot_eager",
     )
     p.add_argument(
         "--check",
@@ -228,94 +216,55 @@ def _bench(args: argparse.Namespace, command: str) -> int:
     return status
 
 
-_NOT_WITH_WORKLOAD = (
-    ("model", "--model"),
-    ("quick", "--quick"),
-    ("no_step", "--no-step"),
-    ("calls", "--calls"),
-    ("plot", "--plot"),
-    ("callback_cost", "--callback-cost"),
-    ("optimizer_step", "--optimizer-step"),
-)
+def run(args: argparse.Namespace, command: str) -> int:
+    """The models bench, or ``--callback-cost``, or ``--optimizer-step``; the exit status.
+
+    Raises:
+        GuardTrainValueError: a bad value (the caller turns it into a usage error).
+    """
+    if args.plot:
+        report.require_matplotlib()
+    if args.callback_cost:
+        return _callback_cost(args)
+    if args.optimizer_step:
+        return _optimizer_step(args)
+    return _bench(args, command)
 
 
-def _reject_workload_flags(args: argparse.Namespace) -> None:
-    """Raise on a flag that does not apply to ``--workload``, or a bad count."""
-    for attr, flag in _NOT_WITH_WORKLOAD:
+def _add_suite_options(parser: argparse.ArgumentParser) -> None:
+    """The speed suite's options, hidden: parsed only to be refused (:func:`_refuse_suite`)."""
+    parser.add_argument("--workload", action="append", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-optimizer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-fallback", action="store_true", help=argparse.SUPPRESS)
+
+
+def _refuse_suite(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """Raise on a speed-suite option, naming the command that runs it from a checkout."""
+    for attr, flag in SUITE_OPTIONS:
         if getattr(args, attr):
-            raise GuardTrainValueError(f"{flag} does not apply to --workload.")
-    if args.repeats is not None and args.repeats < 1:
-        raise GuardTrainValueError(f"--repeats must be at least 1, got {args.repeats}.")
-    if args.steps is not None and args.steps < 1:
-        raise GuardTrainValueError(f"--steps must be at least 1, got {args.steps}.")
-
-
-def _suite_options(args: argparse.Namespace) -> SuiteOptions:
-    """``--workload``'s arguments as the suite's options."""
-    from guardtrain.bench import workloads
-
-    _reject_workload_flags(args)
-    configs = workloads.parse_suite_configs(args.configs)
-    if args.check and "compile" not in configs:
-        raise GuardTrainValueError("--check compares with plain compile: add it to --configs.")
-    return workloads.SuiteOptions(
-        workloads=workloads.parse_workloads(args.workload),
-        configs=configs,
-        repeats=args.repeats if args.repeats is not None else (2 if args.tiny else 4),
-        steps=args.steps,
-        backend=args.backend,
-        fallback=not args.no_fallback,
-        tiny=args.tiny,
-        threads=args.threads or None,
-        progress=not args.no_progress,
-        compile_optimizer=args.compile_optimizer,
-    )
-
-
-def _check_workloads(data: dict[str, Any]) -> int:
-    """``--workload --check``: print the verdicts, keep them in ``data``; the exit status."""
-    from guardtrain.bench import workloads
-
-    data["checks"] = workloads.check_suite(data)
-    print("\n" + workloads.format_checks(data["checks"]))
-    return 0 if data["checks"] and all(v["met"] for v in data["checks"]) else 1
-
-
-def _workloads(args: argparse.Namespace, command: str) -> int:
-    """``--workload``: the speed suite (:mod:`guardtrain.bench.workloads`)."""
-    from guardtrain.bench import workloads
-
-    options = _suite_options(args)
-    data = workloads.run_suite(options)
-    data["command"] = command
-    print(workloads.format_suite(data))
-    print(f"\nwall time {data['wall_s']} s")
-    status = _check_workloads(data) if args.check else 0
-    if args.json:
-        report.write_json(args.json, data)
-    return status
+            raise GuardTrainValueError(
+                f"{flag}: the speed suite of real workloads is the project's own benchmark, "
+                "not installed with guardtrain; run it from a checkout of the guardtrain "
+                f"repository: {shlex.join([*SUITE_COMMAND.split(), *argv])}"
+                + ("" if args.workload else " --workload NAME")
+                + " (the same options)."
+            )
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m guardtrain.bench") -> int:
     """Run the command; returns the exit status (1: ``--check`` found a target missed)."""
-    parser = _parser(prog)
-    args = parser.parse_args(argv)
-    command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    parser = build_parser(prog)
+    parser.epilog = (
+        "The speed suite of real workloads runs from a checkout of the guardtrain "
+        f"repository: {SUITE_COMMAND} --workload NAME (see docs/bench.md)."
+    )
+    _add_suite_options(parser)
+    given = list(argv if argv is not None else sys.argv[1:])
+    args = parser.parse_args(given)
+    command = " ".join([prog, *given])
     try:
-        if args.workload:
-            return _workloads(args, command)
-        if args.compile_optimizer:
-            raise GuardTrainValueError(
-                "--compile-optimizer applies to --workload only (--optimizer-step times the "
-                "compiled step on its own)."
-            )
-        if args.plot:
-            report.require_matplotlib()
-        if args.callback_cost:
-            return _callback_cost(args)
-        if args.optimizer_step:
-            return _optimizer_step(args)
-        return _bench(args, command)
+        _refuse_suite(args, given)
+        return run(args, command)
     except GuardTrainValueError as err:
         parser.error(str(err))
 

@@ -27,7 +27,6 @@ __all__ = [
     "build_model",
     "check_model_specs",
     "parse_configs",
-    "tiny_gpt2",
 ]
 
 CONFIGS = (
@@ -210,27 +209,3 @@ def parse_configs(values: Sequence[str] | None) -> list[str]:
     if not names:
         raise GuardTrainValueError(f"--configs is empty; allowed: {', '.join(CONFIGS)}.")
     return [c for c in CONFIGS if c in names]
-
-
-def tiny_gpt2(
-    n_layer: int = 2, n_embd: int = 32, vocab_size: int = 64, seq_len: int = 16
-) -> tuple[nn.Module, torch.Tensor]:
-    """A tiny Hugging Face GPT-2 from a config (random weights, no hub access) and a batch
-    of token ids: ``--model guardtrain.bench.models:tiny_gpt2``. Needs ``transformers``.
-
-    The model returns a ``CausalLMOutput`` (the bench uses its logits); no KV cache is
-    returned (``use_cache=False``)."""
-    from transformers import GPT2LMHeadModel
-
-    from guardtrain.bench.hf_data import tiny_gpt2_config
-
-    config = tiny_gpt2_config(
-        vocab_size=vocab_size,
-        n_positions=max(64, seq_len),
-        n_embd=n_embd,
-        n_layer=n_layer,
-        use_cache=False,
-    )
-    model = GPT2LMHeadModel(config)
-    ids = torch.randint(0, vocab_size, (4, seq_len), generator=torch.Generator().manual_seed(0))
-    return model, ids

@@ -139,7 +139,7 @@ def remember_full_guards(
 
 def _remember(target: TargetState, mode: CallMode, key: tuple[Any, ...]) -> None:
     """Calls of ``mode`` with ``key`` run with full guards (until the entries change)."""
-    full = target.full_keys.setdefault(mode, set())
+    full = target.learnt.full_keys.setdefault(mode, set())
     if len(full) >= ACCEPT_LIMIT:
         full.clear()
     full.add(key)
@@ -160,17 +160,18 @@ def admit(
     the guards that tell entries apart, so a plain argument (an int, a flag, ``None``
     for a tensor, a keyword) that no entry was compiled against otherwise runs a stale
     entry."""
-    accepted = target.accepted.setdefault(mode, set())
+    learnt = target.learnt
+    accepted = learnt.accepted.setdefault(mode, set())
     if key in accepted:
         target.last_key, target.last_mode = key, mode
         return ADMITTED
     shape = structure(key)
-    delegated = target.delegated.get(shape)
-    seen_masked = target.accepted_masked.setdefault(mode, set())
+    delegated = learnt.delegated.get(shape)
+    seen_masked = learnt.accepted_masked.setdefault(mode, set())
     if delegated and masked(key, delegated) in seen_masked:
         target.last_key, target.last_mode = key, mode
         return ADMITTED
-    full = target.full_keys.get(mode)
+    full = learnt.full_keys.get(mode)
     if full is not None and key in full:
         return FULL_GUARDS
     entry = stance_entry(target, args, kwargs)
@@ -187,7 +188,7 @@ def admit(
         seen_masked.clear()
     accepted.add(key)
     if delegated is None:
-        delegated = target.delegated[shape] = _delegated(manager, key, args, kwargs)
+        delegated = learnt.delegated[shape] = _delegated(manager, key, args, kwargs)
     if delegated:
         seen_masked.add(masked(key, delegated))
     target.last_key, target.last_mode = key, mode

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from guardtrain._torch import guards
 from guardtrain.compile.watch import class_dict
 
 __all__ = ["BASES", "carries_cache", "class_dicts", "in_key", "versions"]
@@ -47,7 +48,7 @@ model (``encoder_outputs``; a ``dict`` whose items are its fields)."""
 _IMMUTABLE = 1 << 8
 """``Py_TPFLAGS_IMMUTABLETYPE``: a class nothing can write to (``dict``, ``OrderedDict``)."""
 
-_dict_version: Callable[[dict[Any, Any]], int] = torch._C._dynamo.guards.dict_version
+_dict_version: Callable[[dict[Any, Any]], int] = guards.dict_version
 _CLASSES: dict[type, tuple[dict[Any, Any], ...] | None] = {}
 """Each class seen: the real dictionaries of its classes (what a class attribute read
 through the object resolves through; not those of classes nothing can write to), or

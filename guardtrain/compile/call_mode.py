@@ -9,13 +9,24 @@ written for it: module-level names bound once, no call where a test suffices.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils import _python_dispatch
 
+from guardtrain._torch import any_autocast as _any_autocast
+from guardtrain._torch import (
+    any_dispatch_mode,
+    callback_handler,
+    dispatch_mode_on_stack,
+    dynamo_config,
+    eval_frame,
+    frame_callback,
+    has_saved_hooks_check,
+    hooks_inlineable,
+    torch_function_modes,
+)
+from guardtrain._torch import top_saved_hooks as _top_saved_hooks
 from guardtrain.compile.caches import class_dicts, versions
 
 __all__ = [
@@ -38,9 +49,7 @@ __all__ = [
 
 is_grad_enabled = torch.is_grad_enabled
 is_inference = torch.is_inference_mode_enabled
-any_autocast: Callable[[], bool] = getattr(
-    torch._C, "_is_any_autocast_enabled", lambda: torch.is_autocast_enabled()
-)
+any_autocast: Callable[[], bool] = _any_autocast
 CallMode = tuple[bool, bool, bool, bool]
 """``(training, grad enabled, inference mode, autocast on)`` of a call."""
 
@@ -245,12 +254,10 @@ def structure(key: tuple[Any, ...]) -> tuple[Any, ...]:
 
 # -- what a frame's guards check about the world outside its arguments ------------------------
 
-_eval_frame = torch._dynamo.eval_frame
-_frame_callback: Callable[[], Any] = torch._C._dynamo.eval_frame.get_eval_frame_callback
-_function_modes: Callable[[], int] = torch._C._len_torch_function_stack
-top_saved_hooks: Callable[[bool], Any] = getattr(
-    torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None
-)
+_eval_frame = eval_frame
+_frame_callback: Callable[[], Any] = frame_callback
+_function_modes: Callable[[], int] = torch_function_modes
+top_saved_hooks: Callable[[bool], Any] = _top_saved_hooks
 """The innermost active saved-tensor hooks, ``(pack, unpack)``, or None (one call into C)."""
 
 
@@ -262,23 +269,13 @@ def inlined_hooks_active() -> bool:
     (AOTAutograd's saved tensors go through them), so every entry serves them.
     True on a torch without the functions (the guard is then always kept).
     """
-    if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
+    if not has_saved_hooks_check:
         return True
     hooks = top_saved_hooks(True)
     if hooks is None:
         return False
-    inlineable = _hooks_inlineable()
-    return True if inlineable is None else bool(inlineable(hooks))
-
-
-@functools.cache
-def _hooks_inlineable() -> Callable[[Any], bool] | None:
-    """AOTAutograd's test of inlineable hooks, imported once (None on another torch)."""
-    try:
-        from torch._functorch._aot_autograd.utils import saved_tensors_hooks_are_inlineable
-    except ImportError:  # pragma: no cover - another torch layout
-        return None
-    return saved_tensors_hooks_are_inlineable  # type: ignore[no-any-return]
+    inlineable = hooks_inlineable(hooks)
+    return True if inlineable is None else inlineable
 
 
 def outside_state_clear(plain: Any) -> bool:
@@ -295,24 +292,11 @@ def outside_state_clear(plain: Any) -> bool:
     )
 
 
-_any_mode_on_stack: Callable[[], bool] = getattr(
-    _python_dispatch, "any_torch_dispatch_mode_on_stack", lambda: False
-)
-_any_mode: Callable[[], bool] = getattr(
-    _python_dispatch, "is_in_any_mode_without_ignore_compile_internals", lambda: False
-)
-
-
-def callback_handler() -> Any:
-    """Dynamo's compile callbacks (``torch._dynamo.callback_handler``), or None."""
-    return getattr(torch._dynamo, "callback_handler", None)
-
-
 def dispatch_mode_active() -> bool:
     """Whether a TorchDispatchMode is active that makes Dynamo skip a frame (H18).
 
     Mirrors Dynamo's own test in ``convert_frame``; ``False`` on a torch without it.
     """
-    if getattr(torch._dynamo.config, "inline_torch_dispatch_torch_compile", False):
-        return bool(_any_mode_on_stack())
-    return bool(_any_mode())
+    if getattr(dynamo_config, "inline_torch_dispatch_torch_compile", False):
+        return bool(dispatch_mode_on_stack())
+    return bool(any_dispatch_mode())

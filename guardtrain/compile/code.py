@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import guardtrain.compile.watch as _watch
+from guardtrain._torch import reset_code
 from guardtrain.compile.assertions import (
     Assertion,
     Recorded,
@@ -234,9 +235,8 @@ class TargetCode:
         Code objects other than the trampoline that were compiled for it (the
         module's own ``forward`` and its resume functions after a graph break)
         are shared with other instances of the class; their entries are dropped
-        too (``torch._dynamo.reset_code``).
+        too (Dynamo's ``reset_code``).
         """
-        reset_code = getattr(torch._dynamo, "reset_code", None)
         for code in self._inner_codes:
             if reset_code is not None:
                 reset_code(code)
@@ -330,7 +330,7 @@ class TargetCode:
 
     def _note_frame(self, code: types.CodeType | None, own_frame: bool) -> None:
         """Which frame compiles: a graph break's, or the trampoline's (whose entries may
-        have been forgotten by ``torch._dynamo.reset()``)."""
+        have been forgotten by Dynamo's ``reset()``)."""
         if code is not None and not own_frame:
             # A graph break: this frame is the module's own `forward` or a resume
             # function of it, code shared with every instance of the class.
@@ -339,7 +339,7 @@ class TargetCode:
         elif own_frame:
             existing = self.cache_entries()
             if 0 <= existing < self._root_entries:
-                # Entries we recorded are gone (torch._dynamo.reset()): so is what
+                # Entries we recorded are gone (Dynamo's reset()): so is what
                 # they asserted, and the modes they were compiled for.
                 self.modes.clear()
                 self.mode_compiles.clear()

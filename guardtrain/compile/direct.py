@@ -1,7 +1,7 @@
 """Turbo's direct dispatch: one harvested cache entry, and what a call must match to run it.
 
 Under the stance a target with ``direct_dispatch`` keeps a *dispatch table* per call
-mode (``CompiledTarget.dispatch_table``): the entries Dynamo chose for real calls,
+mode (``target.learnt.dispatch_table``): the entries Dynamo chose for real calls,
 each a :class:`DirectEntry`. A later call whose key, global state and tensors match
 one runs its code directly, below Dynamo's entry path (H30); harvesting is in
 :mod:`guardtrain.compile.harvest`.
@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from guardtrain._torch import guards, live_codes
 from guardtrain.compile.caches import in_key
 from guardtrain.compile.symbolic import beyond_arguments, has_shape_guards, symbolic_dims
 from guardtrain.compile.trampoline import TRAMPOLINE_GLOBALS, cache_entry_list
@@ -22,15 +23,7 @@ from guardtrain.guardcheck import check as _guard_check
 
 __all__ = ["DIRECT_LIMIT", "DirectEntry", "direct_supported", "live_codes", "whole"]
 
-_guards = torch._C._dynamo.guards
-live_codes: dict[int, Any] | None = getattr(
-    getattr(torch._dynamo.utils, "orig_code_map", None), "values", None
-)
-"""Dynamo's map from each compiled entry's code to its original code, keyed by ``id``.
-
-``torch._dynamo.reset()`` empties it in place, and an entry's code stays alive while
-a dispatch holds it, so ``id(code) in live_codes`` tells whether Dynamo still knows
-the entry (H30)."""
+_guards = guards
 DIRECT_LIMIT = 8
 """Entries harvested per mode (input signatures, e.g. a short last batch)."""
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 import guardtrain.compile.call_mode as _call_mode
+from guardtrain._torch import dynamo_config, eval_frame
 from guardtrain.compile import known_states as _states
 from guardtrain.compile.accept import (
     ADMITTED,
@@ -63,7 +64,7 @@ __all__ = [
     "wrapper_for",
 ]
 
-_eval_frame = torch._dynamo.eval_frame
+_eval_frame = eval_frame
 _is_compiling: Callable[[], bool] = torch.compiler.is_compiling
 _FREEVAR_ERROR = "Freevar has no source"
 _NOT_RUN = object()
@@ -118,7 +119,7 @@ def plain_forward_for(target: TargetState, func: Callable[..., Any]) -> Callable
             return target.bound(*args, **kwargs)
         target.calls += 1
         target.code.current = target
-        cfg = torch._dynamo.config
+        cfg = dynamo_config
         previous = cfg.skip_nnmodule_hook_guards
         cfg.skip_nnmodule_hook_guards = False
         try:
@@ -355,7 +356,7 @@ def _traced(
     target uses it, for the trampoline's own frame only (H12, H23)."""
     if not code.install_free_tensors:
         return target.compiled(*args, **kwargs)
-    cfg = torch._dynamo.config
+    cfg = dynamo_config
     previous = cfg.install_free_tensors
     cfg.install_free_tensors = True
     compiles = code.compiles
@@ -365,7 +366,7 @@ def _traced(
         # Only the trampoline's own frame may trace with free tensors: a frame Dynamo
         # compiles after a graph break in the same call is code that other instances
         # share (the class's `forward` or its resume functions, H12).
-        torch._dynamo.config.install_free_tensors = compiling_frame()[0] is target.code.trampoline
+        dynamo_config.install_free_tensors = compiling_frame()[0] is target.code.trampoline
 
     if callbacks is not None:
         callbacks.register_start_callback(only_the_trampoline)

@@ -26,15 +26,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from guardtrain._torch import DisableTorchFunction, requires_grad_getter
+
 __all__ = ["describe", "moved", "pattern", "use_variant"]
 
 # The tensor's own flag, read in C (the getset descriptor; typed as a bool by torch's stubs).
-_get_requires_grad: Callable[[torch.Tensor], bool] = torch._C.TensorBase.__dict__[
-    "requires_grad"
-].__get__
-
-
-_no_torch_function = torch._C.DisableTorchFunction
+_get_requires_grad: Callable[[torch.Tensor], bool] = requires_grad_getter
+_no_torch_function = DisableTorchFunction
 
 
 def pattern(params: Iterable[torch.Tensor]) -> tuple[bool, ...]:

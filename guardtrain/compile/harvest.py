@@ -39,18 +39,18 @@ def direct_entry(
     be harvested) or left the stance (no entry accepts it)."""
     if not outside_state_clear(target.plain_stance):
         return None
-    for direct in target.dispatch_table.get(mode, ()):
+    for direct in target.learnt.dispatch_table.get(mode, ()):
         if direct.matches(key, tensors, lambda: target.call_scope(args, kwargs)):
             break
     else:
         if not may_harvest(target, mode) or _call_mode.dispatch_mode_active():
             return None
-        broken = target.break_keys.get(mode)
+        broken = target.learnt.break_keys.get(mode)
         if broken is not None and key in broken:
             return None  # Dynamo's entry for it breaks the graph: full guards (H4)
         harvested = harvest(target, mode, key, tensors, args, kwargs)
         if harvested is None:
-            broken = target.break_keys.get(mode)
+            broken = target.learnt.break_keys.get(mode)
             if broken is None or key not in broken:
                 # No entry's guards accept the call: the stance would run one compiled
                 # for other inputs (H26).
@@ -69,8 +69,8 @@ def may_harvest(target: TargetState, mode: CallMode) -> bool:
     that in all, until the table is next emptied (inputs that change every call would
     otherwise pay a guard evaluation and a table search each)."""
     return (
-        len(target.dispatch_table.get(mode, ())) < DIRECT_LIMIT
-        and target.harvests < 4 * DIRECT_LIMIT
+        len(target.learnt.dispatch_table.get(mode, ())) < DIRECT_LIMIT
+        and target.learnt.harvests < 4 * DIRECT_LIMIT
     )
 
 
@@ -87,14 +87,15 @@ def harvest(
     for calls like it, added to the table; None when no entry accepts the call, or when
     that entry breaks the graph (:func:`~guardtrain.compile.direct.whole`): then the
     call's key joins ``break_keys``, and calls with it run with full guards."""
-    target.harvests += 1
+    learnt = target.learnt
+    learnt.harvests += 1
     scope = target.call_scope(args, kwargs)
     found = first_accepting(target.code.trampoline, scope)
     if found is None:
         return None
     entry, entries = found
     if not whole(entry.code):
-        target.break_keys.setdefault(mode, set()).add(key)
+        learnt.break_keys.setdefault(mode, set()).add(key)
         return None
     code = target.code
     several = entries > 1 and code.mode_compiles.get(mode, 0) != 1
@@ -105,7 +106,7 @@ def harvest(
                 break
             earlier.append(other.guard_manager)
     direct = DirectEntry(entry, code.closure, key, tensors, several, scope, earlier)
-    table = target.dispatch_table.setdefault(mode, [])
+    table = learnt.dispatch_table.setdefault(mode, [])
     if direct.symbolic:
         table.insert(0, direct)  # it serves every size of a decode loop: asked first
     else:

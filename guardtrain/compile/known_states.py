@@ -47,6 +47,7 @@ __all__ = [
     "Flips",
     "Kept",
     "Known",
+    "Learnt",
     "StateKey",
     "keep",
     "leave",
@@ -63,7 +64,35 @@ StateKey = tuple[bytes, bytes, tuple[Any, ...], bool]
 """``(requires_grad bits, training bits, plain attributes assigned, autocast)`` of a target."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
+class Learnt:
+    """What a target's calls learnt about its entries, in its current state: one object,
+    held by the target (``target.learnt``), kept by reference when the target leaves the
+    state and put back by reference when it comes back (:func:`keep`, :func:`swap`). A
+    new table goes here, and nowhere else. Emptied whenever the entries may change
+    (:meth:`~guardtrain.compile.CompiledTarget.forget_dispatch` makes a new one)."""
+
+    dispatch_table: dict[CallMode, list[DirectEntry]] = field(default_factory=dict)
+    """Harvested entries per mode (direct dispatch), for this module: with shared code
+    another member's kept guards (a scalar attribute) may pick another entry."""
+    harvests: int = 0
+    """Guard-manager evaluations spent harvesting since the table was last emptied."""
+    accepted: dict[CallMode, set[tuple[Any, ...]]] = field(default_factory=dict)
+    """Argument keys that the stance's own choice of entry was shown to accept, per mode
+    (H32)."""
+    accepted_masked: dict[CallMode, set[tuple[Any, ...]]] = field(default_factory=dict)
+    """The same with the plain values that Dynamo's stance checks itself masked."""
+    full_keys: dict[CallMode, set[tuple[Any, ...]]] = field(default_factory=dict)
+    """Argument keys per mode that an entry accepts but the stance's own choice does not
+    (H44), or whose entry breaks the graph (H4): such calls run with full guards."""
+    break_keys: dict[CallMode, set[tuple[Any, ...]]] = field(default_factory=dict)
+    """Argument keys per mode whose harvested entry breaks the graph: full guards."""
+    delegated: dict[tuple[Any, ...], frozenset[int]] = field(default_factory=dict)
+    """Per key structure, the positions of plain values in the entries' diff guards,
+    which the stance evaluates on every call."""
+
+
+@dataclass(slots=True, kw_only=True)
 class Known:
     """What a target's calls learnt in one state, as it was when the target left it."""
 
@@ -75,16 +104,14 @@ class Known:
     compiled: Callable[..., Any]
     checked_generation: int
     versions: Polled
-    dispatch_table: dict[CallMode, list[DirectEntry]]
-    harvests: int
-    accepted: dict[CallMode, set[tuple[Any, ...]]]
-    accepted_masked: dict[CallMode, set[tuple[Any, ...]]]
-    full_keys: dict[CallMode, set[tuple[Any, ...]]]
-    delegated: dict[tuple[Any, ...], frozenset[int]]
+    learnt: Learnt
+    """The tables, by reference."""
     last_key: tuple[Any, ...] | None
     last_mode: CallMode | None
     last_decode: bool
     key_of: Callable[..., Any]
+    """The per-call fields the steady path reads first (kept on the target itself, one
+    attribute lookup each)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -154,22 +181,17 @@ def keep(target: Any) -> bool:
     if len(known) >= KNOWN_LIMIT:
         del known[next(iter(known))]
     known[key] = Known(
-        target.code,
-        target.code.generation,
-        kept.epoch,
-        target.compiled,
-        target.checked_generation,
-        target.versions,
-        target.dispatch_table,
-        target.harvests,
-        target.accepted,
-        target.accepted_masked,
-        target.full_keys,
-        target.delegated,
-        target.last_key,
-        target.last_mode,
-        target.last_decode,
-        target.key_of,
+        code=target.code,
+        generation=target.code.generation,
+        epoch=kept.epoch,
+        compiled=target.compiled,
+        checked_generation=target.checked_generation,
+        versions=target.versions,
+        learnt=target.learnt,
+        last_key=target.last_key,
+        last_mode=target.last_mode,
+        last_decode=target.last_decode,
+        key_of=target.key_of,
     )
     kept.state = None
     return True
@@ -228,17 +250,11 @@ def swap(target: Any, key: StateKey, count: bool = True) -> bool:
     target.compiled = found.compiled
     target.checked_generation = found.checked_generation
     target.versions = found.versions
-    target.dispatch_table = found.dispatch_table
-    target.harvests = found.harvests
-    target.accepted = found.accepted
-    target.accepted_masked = found.accepted_masked
-    target.full_keys = found.full_keys
-    target.delegated = found.delegated
+    target.learnt = found.learnt
     target.last_key = found.last_key
     target.last_mode = found.last_mode
     target.last_decode = found.last_decode
     target.key_of = found.key_of
-    target.break_keys = {}  # of the code left: found again for this one, when it breaks
     kept.state = key
     kept.swaps += count
     return True

@@ -51,6 +51,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.optim.optimizer as _optimizer
 
+from guardtrain._torch import DynamoException, RecompileLimitHit, guards
 from guardtrain.compile.accept import first_accepting
 from guardtrain.compile.assertions import (
     GroupValues,
@@ -82,15 +83,13 @@ __all__ = [
     "uninstall",
 ]
 
-_dict_version: Callable[[dict[Any, Any]], int] = torch._C._dynamo.guards.dict_version
+_dict_version: Callable[[dict[Any, Any]], int] = guards.dict_version
 _grad = operator.attrgetter("grad")
 _Tensor = torch.Tensor
 _pre_hooks = _optimizer._global_optimizer_pre_hooks
 _post_hooks = _optimizer._global_optimizer_post_hooks
 _MISSING = object()
-_RECOMPILE_LIMIT: type[Exception] = getattr(
-    torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException
-)
+_RECOMPILE_LIMIT: type[BaseException] = RecompileLimitHit
 
 
 def refusal(optimizer: Any) -> str | None:
@@ -202,7 +201,7 @@ class StepCheck:
         if not direct.global_state.check():
             return "global state"
         if live_codes is None or id(direct.code) not in live_codes:
-            return "entry forgotten"  # torch._dynamo.reset()
+            return "entry forgotten"  # Dynamo's reset()
         return None
 
     def _group_change(self) -> str:
@@ -405,7 +404,7 @@ class CompiledStep:
         self.recorded.clear()
         try:
             self.compiled()
-        except (torch._dynamo.exc.TorchDynamoException, _RECOMPILE_LIMIT) as err:
+        except (DynamoException, _RECOMPILE_LIMIT) as err:
             # A graph break, an unsupported op, the recompile limit: raised before any of
             # the update ran.
             self.eager = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"

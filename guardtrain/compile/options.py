@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from guardtrain._torch import inductor_mode_options
 from guardtrain.errors import GuardTrainTypeError, GuardTrainValueError
 from guardtrain.filters import GuardFilter
 
@@ -110,9 +111,7 @@ def build_compile_kwargs(kwargs: dict[str, Any], guard_filter: GuardFilter) -> d
     options: dict[str, Any] = {}
     mode = kwargs.get("mode")
     if mode is not None and mode != "default":
-        import torch._inductor
-
-        options.update(torch._inductor.list_mode_options(mode, kwargs.get("dynamic")))
+        options.update(inductor_mode_options(mode, kwargs.get("dynamic")))
     options.update(kwargs.get("options") or {})
     options.pop("guard_filter_fn", None)
     options["guard_filter_fn"] = guard_filter

@@ -17,7 +17,7 @@ modules, never one per module:
 
 Per call the dictionaries' versions are compared with those at the last reset: with
 three or more, by one Dynamo guard tree built for them
-(``torch._C._dynamo.guards.RootGuardManager`` with a dictionary-version guard on each
+(Dynamo's C++ ``RootGuardManager`` with a dictionary-version guard on each
 item of one tuple, one call into C); with fewer, by the sum of
 their versions (one pass in C; a write only ever raises a
 version). Then each list (one ``!=`` in C for a list of plain values). docs/bench.md
@@ -34,20 +34,15 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Iterable
 
-import torch
+from guardtrain._torch import GuardManagerType, guards
 
 __all__ = ["Polled"]
 
-_guards = torch._C._dynamo.guards
+_guards = guards
 _dict_version: Callable[[dict[Any, Any]], int] = _guards.dict_version
 _TREE_FROM = 3
 """From this many dictionaries on, one guard tree checks them (cheaper than the sum)."""
-try:
-    from torch._dynamo.guards import GuardManagerType
-
-    _GUARD_MANAGER: Any = GuardManagerType.GUARD_MANAGER
-except ImportError:  # pragma: no cover - another torch layout: the sum of the versions
-    _GUARD_MANAGER = None
+_GUARD_MANAGER: Any = GuardManagerType.GUARD_MANAGER
 _is_not = operator.is_not
 _PLAIN = (bool, int, float, str, type(None))
 

@@ -10,14 +10,14 @@ import fnmatch
 import types
 from typing import Sequence
 
-import torch
 from torch import nn
 
+from guardtrain._torch import OptimizedModule as _OptimizedModule
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError, GuardTrainValueError
 
 __all__ = ["OptimizedModule", "forward_function", "nested_compile_region", "resolve_targets"]
 
-OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
+OptimizedModule = _OptimizedModule
 _MISSING = object()
 
 
@@ -28,7 +28,7 @@ def forward_function(
     adapter (``owner``) and the module as the user knows it (``known_as``; default:
     its name in the root)."""
     label = known_as or (f"`{name}`" if name else "the root module")
-    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+    if isinstance(module, OptimizedModule):
         raise GuardTrainValueError(
             f"Target {label} is already compiled (torch.compile returned an OptimizedModule). "
             f"Pass the plain module: {owner} compiles it."

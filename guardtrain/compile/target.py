@@ -34,7 +34,6 @@ import guardtrain.compile.watch as _watch
 from guardtrain.compile.assertions import Assertion, check, polled_objects
 from guardtrain.compile.call_mode import CallMode, call_key
 from guardtrain.compile.code import TargetCode, structure_key
-from guardtrain.compile.direct import DirectEntry
 from guardtrain.compile.forward import plain_forward_for, wrapper_for
 from guardtrain.compile.miss import Miss
 from guardtrain.compile.polled import Polled
@@ -315,13 +314,7 @@ class CompiledTarget:
 
     def forget_dispatch(self) -> None:
         """Empty the dispatch table and the accepted argument keys (entries may change)."""
-        self.dispatch_table: dict[CallMode, list[DirectEntry]] = {}
-        self.harvests = 0
-        self.accepted: dict[CallMode, set[tuple[Any, ...]]] = {}
-        self.accepted_masked: dict[CallMode, set[tuple[Any, ...]]] = {}
-        self.full_keys: dict[CallMode, set[tuple[Any, ...]]] = {}
-        self.break_keys: dict[CallMode, set[tuple[Any, ...]]] = {}
-        self.delegated: dict[tuple[Any, ...], frozenset[int]] = {}
+        self.learnt = _states.Learnt()
         self.last_key: tuple[Any, ...] | None = None
         self.last_mode: CallMode | None = None
         self.last_decode = False

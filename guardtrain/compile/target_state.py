@@ -15,8 +15,7 @@ from torch import nn
 
 from guardtrain.compile.call_mode import CallMode
 from guardtrain.compile.code import TargetCode
-from guardtrain.compile.direct import DirectEntry
-from guardtrain.compile.known_states import Flips, Kept
+from guardtrain.compile.known_states import Flips, Kept, Learnt
 from guardtrain.compile.miss import Miss
 from guardtrain.compile.polled import Polled
 
@@ -54,12 +53,10 @@ class TargetState(Protocol):
     """True while calls under the stance may run a harvested entry directly (turbo)."""
     direct_calls: int
     """Calls that ran a harvested entry directly."""
-    dispatch_table: dict[CallMode, list[DirectEntry]]
-    """Harvested entries per mode (direct dispatch), for this module: with shared code
-    another member's kept guards (a scalar attribute) may pick another entry. Emptied
-    whenever the stance goes off and on every rebuild."""
-    harvests: int
-    """Guard-manager evaluations spent harvesting since the table was last emptied."""
+    learnt: Learnt
+    """What its calls learnt about the entries in its current state: the dispatch table,
+    the keys admitted or sent to full guards (:class:`~guardtrain.compile.known_states.
+    Learnt`); emptied whenever the stance goes off, on a compile and on every rebuild."""
     checking: bool
     """While True (a batch with an unseen signature under the stance), each call under
     the stance first evaluates the cache entries' guards itself (H26)."""
@@ -89,22 +86,6 @@ class TargetState(Protocol):
     versions: Polled
     """Global namespaces, plain objects' and classes' dictionaries, and lists that this
     target's guards read, as they were at the last compile or check."""
-    accepted: dict[CallMode, set[tuple[Any, ...]]]
-    """Argument keys (:func:`~guardtrain.compile.call_mode.call_key`) that the stance's
-    own choice of entry was shown to accept, per mode (H32); emptied whenever the
-    entries may change."""
-    full_keys: dict[CallMode, set[tuple[Any, ...]]]
-    """Argument keys per mode that an entry accepts but the stance's own choice does not
-    (an entry per autocast state, H44): such calls run with full guards, or directly."""
-    break_keys: dict[CallMode, set[tuple[Any, ...]]]
-    """Argument keys per mode whose entry breaks the graph (a target with graph breaks
-    and direct dispatch): such calls run with full guards, never under the stance (H4)."""
-    accepted_masked: dict[CallMode, set[tuple[Any, ...]]]
-    """The same with the plain values that Dynamo's stance checks itself masked
-    (:func:`~guardtrain.compile.call_mode.masked`): an int that Dynamo made dynamic."""
-    delegated: dict[tuple[Any, ...], frozenset[int]]
-    """Per key :func:`~guardtrain.compile.call_mode.structure`, the positions of plain
-    values in the entries' diff guards, which the stance evaluates on every call."""
     last_key: tuple[Any, ...] | None
     """The argument key of the last call admitted under the stance."""
     key_of: Callable[[tuple[Any, ...], dict[str, Any]], Any]

@@ -17,11 +17,10 @@ same dict. It is this module's namespace.
 
 from __future__ import annotations
 
-import sys
 import types
 from typing import Any, Callable
 
-import torch
+from guardtrain._torch import cache_entry_list, compiling_frame
 
 __all__ = [
     "CLOSURE_NAME",
@@ -87,29 +86,3 @@ def trampoline_function(
     """The trampoline ``code`` as a function, with :data:`TRAMPOLINE_GLOBALS`."""
     name = SHARED_TRAMPOLINE_NAME if shared else TRAMPOLINE_NAME
     return types.FunctionType(code, TRAMPOLINE_GLOBALS, name, None, closure)
-
-
-cache_entry_list: Callable[[types.CodeType], list[Any]] | None = getattr(
-    torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None
-)
-"""Dynamo's cache entries of a code object, newest first (None on a torch without it)."""
-
-
-def compiling_frame() -> tuple[types.CodeType | None, str | None]:
-    """The code object Dynamo is compiling and its recompile reason.
-
-    Read from Dynamo's ``_compile`` frame on the stack (the guard filter is
-    called from inside it); ``(None, None)`` if this torch lays it out otherwise.
-    """
-    frame: types.FrameType | None = sys._getframe(2)
-    for _ in range(40):
-        if frame is None:
-            break
-        if frame.f_code.co_name == "_compile":
-            loc = frame.f_locals
-            code = loc.get("code")
-            if isinstance(code, types.CodeType):
-                reason = loc.get("recompile_reason")
-                return code, reason if isinstance(reason, str) else None
-        frame = frame.f_back
-    return None, None

@@ -52,6 +52,12 @@ import torch
 from torch import nn
 from torch.utils import hooks as _hooks
 
+from guardtrain._torch import (
+    DisableTorchFunction,
+    requires_grad_descriptor,
+    unspecialized_module_variable,
+)
+
 __all__ = [
     "Watched",
     "class_dict",
@@ -194,11 +200,11 @@ def _trained(module: nn.Module, targets: list[Watched], value: bool) -> None:
 
 
 # The tensor's own descriptor (a C getset; typed as a bool by torch's stubs).
-_requires_grad: Any = torch._C.TensorBase.__dict__["requires_grad"]
+_requires_grad: Any = requires_grad_descriptor
 _get_requires_grad: Callable[[torch.Tensor], bool] = _requires_grad.__get__
 _set_requires_grad: Callable[[torch.Tensor, bool], None] = _requires_grad.__set__
 _tensor_requires_grad_ = torch.Tensor.requires_grad_
-_no_torch_function = torch._C.DisableTorchFunction
+_no_torch_function = DisableTorchFunction
 
 
 def _flipping(param: torch.Tensor, value: Any) -> list[Watched] | None:
@@ -360,11 +366,8 @@ def _prime_dynamo() -> None:
     """Let Dynamo list ``nn.Module``'s own methods before they are wrapped: it caches the
     list once per process, and a wrapper listed there would be refused when ``forward``
     assigns an attribute (a graph break)."""
-    try:
-        from torch._dynamo.variables.nn_module import UnspecializedNNModuleVariable
-    except ImportError:  # pragma: no cover - another torch layout
-        return
-    method_ids = getattr(UnspecializedNNModuleVariable, "_nn_module_method_ids", None)
+    variable = unspecialized_module_variable()
+    method_ids = getattr(variable, "_nn_module_method_ids", None)
     if callable(method_ids):
         method_ids()
 

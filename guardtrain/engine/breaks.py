@@ -1,9 +1,8 @@
 """Where the graph breaks are: Dynamo's reason with the user's file and line (H20).
 
 Dynamo keeps a ``GraphCompileReason`` for every graph break it makes, with the
-reason and the user stack it was tracing, in ``torch._dynamo.utils.graph_break_reasons``.
-It fills that list whether or not logging is on, and ``torch._dynamo.reset()``
-empties it. Reading it needs no log handler and no config change: nothing is
+reason and the user stack it was tracing (:func:`guardtrain._torch.graph_break_records`).
+It fills that list whether or not logging is on, and Dynamo's ``reset()`` empties it. Reading it needs no log handler and no config change: nothing is
 printed and no global state changes. ``counters["graph_break"]`` (the fallback
 for a torch without the list) has the reason text only, and no entry at all for
 data-dependent branching.
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from guardtrain._torch import graph_break_counts, graph_break_records, skipped_by_dynamo
 from guardtrain.compile import trampoline as _trampoline
 
 __all__ = [
@@ -85,12 +85,10 @@ def skipped_at_top(func: Any) -> bool:
     code = getattr(func, "__code__", None)
     if code is None:
         return False
-    try:
-        from torch._dynamo import trace_rules
-
-        return bool(trace_rules.check(code))
-    except Exception:  # a torch that lays its rules out otherwise: judge by the file
+    skipped = skipped_by_dynamo(code)
+    if skipped is None:  # a torch that lays its rules out otherwise: judge by the file
         return code.co_filename.startswith(_TORCH_DIR)
+    return skipped
 
 
 def short_path(filename: str) -> str:
@@ -180,16 +178,11 @@ class BreakLog:
         self._seen: set[str] = set()
         self.mark()
 
-    @staticmethod
-    def _records() -> list[Any] | None:
-        records = getattr(torch._dynamo.utils, "graph_break_reasons", None)
-        return records if isinstance(records, list) else None
-
     def mark(self) -> None:
         """Forget the breaks recorded so far."""
-        records = self._records()
+        records = graph_break_records()
         if records is None:
-            self._seen = set(torch._dynamo.utils.counters["graph_break"])
+            self._seen = set(graph_break_counts())
             return
         self._count = len(records)
         self._last = records[-1] if records else None
@@ -202,15 +195,15 @@ class BreakLog:
         those repeats, and its ``step_unsupported`` records that only follow a
         break, are dropped.
         """
-        records = self._records()
+        records = graph_break_records()
         if records is None:
-            counted = torch._dynamo.utils.counters["graph_break"]
+            counted = graph_break_counts()
             fresh = [GraphBreak(_first_line(k), "") for k in counted if k not in self._seen]
             self._seen.update(counted)
             return fresh
         start = self._count
         if len(records) < start or (start and records[start - 1] is not self._last):
-            start = 0  # torch._dynamo.reset() emptied the list since the last read
+            start = 0  # Dynamo's reset() emptied the list since the last read
         batch = records[start:]
         self._count = len(records)
         self._last = records[-1] if records else None

@@ -177,7 +177,7 @@ class GuardConfig:
     differ beyond ``verify_rtol``/``verify_atol``. Off by default: each
     verified batch costs one more eager forward and one copy of the
     buffers. With inductor, random ops (dropout) in training mode draw
-    differently from eager unless ``torch._inductor.config.fallback_random``."""
+    differently from eager unless inductor's ``fallback_random`` is set."""
 
     verify_rtol: float = 1e-4
     """relative tolerance of ``verify_every``."""

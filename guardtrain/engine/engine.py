@@ -162,7 +162,7 @@ class GuardEngine:
         self.run.restored = checkpoint.loaded(state_dict)
 
     def config_values(self) -> dict[str, Any]:
-        """The ``torch._dynamo.config`` values a run sets (after :meth:`setup`)."""
+        """The Dynamo config values a run sets (after :meth:`setup`)."""
         return _levers.config_values(self.run.config, self.run.levers, self._dict_tags)
 
     def gather_rearms(self) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from guardtrain import filters as _filters
 from guardtrain import versions as _versions
+from guardtrain._torch import dynamo_config
 from guardtrain.compile import direct_supported
 from guardtrain.engine.config import GuardConfig
 from guardtrain.engine.host import Host
@@ -107,7 +108,7 @@ def resolve(
             "and install_free_tensors freezes parameter identity in the graph",
         )
     _resolve_dict_tags(lv, config, host, notes)
-    dynamo_cfg = torch._dynamo.config
+    dynamo_cfg = dynamo_config
     if lv.install_free_tensors and not hasattr(dynamo_cfg, "install_free_tensors"):
         lv.install_free_tensors = False
         lv.switch_off(
@@ -155,7 +156,7 @@ def _direct_refusal(
 
 def _resolve_dict_tags(lv: Levers, config: GuardConfig, host: Host, notes: DictTagsNotes) -> None:
     """Recursive dict tags (H22): None leaves torch's default; a bool from the user sets it."""
-    cfg = torch._dynamo.config
+    cfg = dynamo_config
     explicit = config.levers.recursive_dict_tags
     has_lever = hasattr(cfg, "use_recursive_dict_tags_for_guards")
     default = bool(getattr(cfg, "use_recursive_dict_tags_for_guards", False))
@@ -196,7 +197,7 @@ def _why_off(explicit: bool | None, notes: DictTagsNotes, release: str) -> str:
 
 
 def config_values(config: GuardConfig, lv: Levers, notes: DictTagsNotes) -> dict[str, Any]:
-    """The ``torch._dynamo.config`` values a run sets (after :func:`resolve`).
+    """The Dynamo config values a run sets (after :func:`resolve`).
 
     Only an explicit ``recursive_dict_tags`` that this torch has (H22), or False
     where torch's own default is overridden (H36); every other lever is applied

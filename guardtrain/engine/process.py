@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import torch
 
+from guardtrain._torch import dynamo_config, eval_frame
+from guardtrain._torch import stance_is_unsafe as _stance_is_unsafe
 from guardtrain.compile import optimizer as _optimizer
 from guardtrain.compile import watch as _watch
 from guardtrain.compile.optimizer import CompiledStep
@@ -48,7 +50,7 @@ __all__ = ["PROCESS", "DynamoSettings", "ProcessState", "stance_is_unsafe"]
 
 def stance_is_unsafe() -> bool:
     """Whether ``skip_guard_eval_unsafe`` is set in this process now."""
-    return bool(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+    return _stance_is_unsafe()
 
 
 class DynamoSettings:
@@ -78,7 +80,7 @@ class DynamoSettings:
         Raises:
             GuardTrainRuntimeError: ``skip_guard_eval_unsafe`` is already set.
         """
-        stance = torch._dynamo.eval_frame._stance
+        stance = eval_frame._stance
         if stance.skip_guard_eval_unsafe:
             raise GuardTrainRuntimeError(
                 "The unsafe stance (skip_guard_eval_unsafe=True) is already set when the run "
@@ -87,14 +89,14 @@ class DynamoSettings:
             )
         self.stances = Stances.of(stance)
         self.active = True
-        cfg = torch._dynamo.config
+        cfg = dynamo_config
         for key, value in (values or {}).items():
             if getattr(cfg, key, value) != value:
                 self.set_config(key, value)
 
     def set_config(self, key: str, value: Any) -> None:
-        """Set ``torch._dynamo.config.<key>`` for the run (saved the first time)."""
-        cfg = torch._dynamo.config
+        """Set Dynamo's config ``<key>`` for the run (saved the first time)."""
+        cfg = dynamo_config
         if key not in self._saved_config:
             self._saved_config[key] = getattr(cfg, key)
         self._values[key] = value
@@ -107,7 +109,7 @@ class DynamoSettings:
         if self._paused:
             return
         self._paused = True
-        cfg = torch._dynamo.config
+        cfg = dynamo_config
         for key, value in self._saved_config.items():
             setattr(cfg, key, value)
 
@@ -116,7 +118,7 @@ class DynamoSettings:
         if not self._paused:
             return
         self._paused = False
-        cfg = torch._dynamo.config
+        cfg = dynamo_config
         for key, value in self._values.items():
             setattr(cfg, key, value)
 
@@ -132,7 +134,7 @@ class DynamoSettings:
 
     def changed(self) -> list[str]:
         """What this run has set now."""
-        found = [] if self._paused else [f"torch._dynamo.config.{k}" for k in self._saved_config]
+        found = [] if self._paused else [f"Dynamo's config {k}" for k in self._saved_config]
         if self._collectives_prev is not None:
             found.append("guard collectives")
         return found

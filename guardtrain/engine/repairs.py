@@ -9,8 +9,7 @@ The checks (:mod:`~guardtrain.engine.findings`) say what they found; this acts o
 
 from __future__ import annotations
 
-import torch
-
+from guardtrain._torch import dynamo_config
 from guardtrain.compile import CompiledTarget, Miss, MissReason, hand_over, use_grad_variant
 from guardtrain.compile.direct import whole
 from guardtrain.compile.trampoline import cache_entry_list
@@ -32,7 +31,7 @@ _INPUT_MISSES = frozenset(
 
 def at_recompile_limit(target: CompiledTarget) -> bool:
     """Whether ``target``'s code holds as many entries as Dynamo compiles for one frame."""
-    return target.cache_entries() >= getattr(torch._dynamo.config, "recompile_limit", 8)
+    return target.cache_entries() >= getattr(dynamo_config, "recompile_limit", 8)
 
 
 class Repairs:

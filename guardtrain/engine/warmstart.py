@@ -8,7 +8,7 @@ this process recorded. ``torch.compiler.load_cache_artifacts`` writes them into
 the local caches (``TORCHINDUCTOR_CACHE_DIR``), so it must run before the first
 compile; Inductor then finds them there like any cache entry (its keys and
 guards still decide whether an entry is used, so a stale artifact costs a cold
-compile, never a wrong result). The caches need ``torch._inductor.config.fx_graph_cache``
+compile, never a wrong result). The caches need inductor's ``fx_graph_cache``
 (on by default; the AOTAutograd cache also needs it) and no ``force_disable_caches``;
 only the inductor backend records artifacts.
 
@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from guardtrain._torch import cache_artifacts, dynamo_counters, fx_graph_cache_on
 
 if TYPE_CHECKING:
     from guardtrain.engine.host import Host
@@ -117,9 +119,7 @@ def unreadable_entry(payload: bytes) -> str | None:
     import pickle
 
     try:
-        from torch.compiler._cache import CacheArtifactManager
-
-        artifacts = CacheArtifactManager.deserialize(payload)
+        artifacts = cache_artifacts(payload)
     except Exception:
         return None
     for artifact in (artifacts or {}).get("inductor", ()):
@@ -141,18 +141,17 @@ def counts(info: Any) -> dict[str, int]:
 
 def hits() -> dict[str, int]:
     """Inductor's and AOTAutograd's cache hits in this process so far (Dynamo's counters)."""
-    counters = torch._dynamo.utils.counters
+    counters = dynamo_counters()
     return {group: int(counters[group][name]) for group, name in _HIT_COUNTERS}
 
 
 def caches_off(compile_kwargs: dict[str, Any]) -> str | None:
     """Why no artifact can be recorded or used (the FX graph cache is off), else None."""
     options = compile_kwargs.get("options") or {}
-    inductor_cfg = torch._inductor.config
     if options.get("force_disable_caches", torch.compiler.config.force_disable_caches):
         return "torch.compiler.config.force_disable_caches is on"
-    if not options.get("fx_graph_cache", inductor_cfg.fx_graph_cache):
-        return "torch._inductor.config.fx_graph_cache is off"
+    if not options.get("fx_graph_cache", fx_graph_cache_on()):
+        return "inductor's fx_graph_cache is off"
     return None
 
 

@@ -1,7 +1,7 @@
 """What the Hugging Face ``Trainer`` scripts run on 2 CPU processes share.
 
 ``hf_run.py`` (DDP), ``hf_fsdp_run.py`` (FSDP2) and ``hf_deepspeed_run.py`` (ZeRO-2) each
-train the tiny GPT-2 of :mod:`guardtrain.bench.hf_data` with and without
+train the tiny GPT-2 of :mod:`benchmarks.hf_data` with and without
 ``GuardTrainerCallback`` and write one JSON result per rank. Nothing here imports pytest
 or the test suite.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
+from benchmarks.hf_data import Tokens, pad, tiny_gpt2_config
 from guardtrain import GuardTrainerCallback
-from guardtrain.bench.hf_data import Tokens, pad, tiny_gpt2_config
 
 
 def options(steps: int) -> argparse.Namespace:

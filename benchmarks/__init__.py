@@ -1,7 +1,9 @@
-"""``guardtrain bench --workload NAME``: the speed suite of real workloads.
+"""The speed suite of real workloads: ``python -m benchmarks --workload NAME``.
 
-Each workload is a real training step, run under plain compile (the way that library's
-users compile) and under the presets, interleaved in one process (:mod:`.suite`):
+The project's own benchmark, run from a checkout of the repository (not installed with
+the package, whose ``guardtrain bench`` measures the user's own model). Each workload is
+a real training step, run under plain compile (the way that library's users compile)
+and under the presets, interleaved in one process (:mod:`.suite`):
 
 * ``dpo-peft``, ``dpo-peft-lightning``, ``dpo-peft-hf`` (:mod:`.dpo`): DPO with a peft
   LoRA adapter, the reference pass inside ``disable_adapter()``; a plain loop with
@@ -20,13 +22,16 @@ users compile) and under the presets, interleaved in one process (:mod:`.suite`)
   under Lightning Fabric, compiled whole or block by block.
 
 The parts: :mod:`.core` (a workload, its configurations as runners, their turns),
-:mod:`.suite` (:data:`WORKLOADS`, the interleaved run, the table, ``--check``).
+:mod:`.suite` (:data:`WORKLOADS`, the interleaved run, the table, ``--check``),
+:mod:`.command` (the command line: ``guardtrain bench``'s options and the suite's),
+:mod:`.hf_data` (tiny Hugging Face model configs and token data, which the tests,
+their multi-process scripts and the cost scripts build their runs from too).
 """
 
 from __future__ import annotations
 
-from guardtrain.bench.workloads.core import Setting, Turn, Workload
-from guardtrain.bench.workloads.suite import (
+from benchmarks.core import Setting, Turn, Workload
+from benchmarks.suite import (
     DEFAULT_CONFIGS,
     SUITE_CONFIGS,
     WORKLOADS,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from guardtrain.bench.workloads.core import (
+from benchmarks.core import (
     HFRunner,
     LightningRunner,
     LoopJob,

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from benchmarks import dpo, gan, litgpt_fabric, loops, rollouts, trl_dpo
+from benchmarks.core import PLAIN, Runner, Setting, Turn, Workload, frames, quiet
 from guardtrain.bench.timing import clock_of, describe
-from guardtrain.bench.workloads import dpo, gan, litgpt_fabric, loops, rollouts, trl_dpo
-from guardtrain.bench.workloads.core import PLAIN, Runner, Setting, Turn, Workload, frames, quiet
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.profiling import compile_seconds
 

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks.core import LoopJob, LoopRunner, Runner, Setting, Workload
 from guardtrain.bench.models import Transformer
-from guardtrain.bench.workloads.core import LoopJob, LoopRunner, Runner, Setting, Workload
 
 __all__ = ["WORKLOADS", "Policy", "Regressor", "TinyViT"]
 
@@ -56,7 +56,7 @@ class _Job(LoopJob):
 class Regressor(nn.Module):
     """The bench's transformer and a ``Linear(64, 1)`` head (a class, not an
     ``nn.Sequential``: ``.compile()`` on a bare container compiles nothing, see
-    :class:`~guardtrain.bench.workloads.gan.MLP`)."""
+    :class:`~benchmarks.gan.MLP`)."""
 
     def __init__(self, depth: int) -> None:
         super().__init__()

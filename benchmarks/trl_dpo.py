@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from guardtrain.bench.hf_data import tiny_llama_config
-from guardtrain.bench.workloads.core import HFRunner, Runner, Setting, Turn, Workload
-from guardtrain.bench.workloads.dpo import scratch_dir
+from benchmarks.core import HFRunner, Runner, Setting, Turn, Workload
+from benchmarks.dpo import scratch_dir
+from benchmarks.hf_data import tiny_llama_config
 
 __all__ = ["WORKLOADS", "preference_data", "runner", "word_tokenizer"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from guardtrain.bench.workloads.core import LoopJob, LoopRunner, Runner, Setting, Workload
+from benchmarks.core import LoopJob, LoopRunner, Runner, Setting, Workload
 
 __all__ = ["WORKLOADS", "tiny_config"]
 

@@ -1,7 +1,8 @@
-"""A tiny GPT-2 config and generated token data for ``Trainer`` runs (no hub, no tokenizer).
+"""Tiny Hugging Face model configs and generated token data (no hub, no tokenizer).
 
-What the bench's :func:`~guardtrain.bench.models.tiny_gpt2`, the Hugging Face tests and
-their multi-process scripts build their runs from. Needs ``transformers``.
+What the workloads, the Hugging Face tests and their multi-process scripts and the cost
+scripts build their runs from; :func:`tiny_gpt2` is a model factory for ``guardtrain
+bench --model benchmarks.hf_data:tiny_gpt2`` run from the checkout. Needs ``transformers``.
 """
 
 from __future__ import annotations
@@ -9,8 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["Tokens", "pad", "tiny_bert_config", "tiny_gpt2_config", "tiny_llama_config"]
+__all__ = [
+    "Tokens",
+    "pad",
+    "tiny_bert_config",
+    "tiny_gpt2",
+    "tiny_gpt2_config",
+    "tiny_llama_config",
+]
 
 
 def tiny_gpt2_config(**extra: Any) -> Any:
@@ -96,3 +105,25 @@ def pad(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         ids[i, : len(x["input_ids"])] = x["input_ids"]
         mask[i, : len(x["input_ids"])] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def tiny_gpt2(
+    n_layer: int = 2, n_embd: int = 32, vocab_size: int = 64, seq_len: int = 16
+) -> tuple[nn.Module, torch.Tensor]:
+    """A tiny Hugging Face GPT-2 from a config (random weights, no hub access) and a batch
+    of token ids: ``guardtrain bench --model benchmarks.hf_data:tiny_gpt2`` from the checkout.
+
+    The model returns a ``CausalLMOutput`` (the bench uses its logits); no KV cache is
+    returned (``use_cache=False``)."""
+    from transformers import GPT2LMHeadModel
+
+    config = tiny_gpt2_config(
+        vocab_size=vocab_size,
+        n_positions=max(64, seq_len),
+        n_embd=n_embd,
+        n_layer=n_layer,
+        use_cache=False,
+    )
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, vocab_size, (4, seq_len), generator=torch.Generator().manual_seed(0))
+    return model, ids

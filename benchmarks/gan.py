@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from guardtrain.bench.workloads.core import LightningRunner, Runner, Setting, Workload
+from benchmarks.core import LightningRunner, Runner, Setting, Workload
 
 __all__ = ["MLP", "WORKLOADS"]
 

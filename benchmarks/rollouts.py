@@ -1,7 +1,7 @@
 """Rollouts inside training: ``generate()`` with the policy itself, then an update (H53).
 
 * ``rollout``: a plain loop with :class:`~guardtrain.GuardTuner`. The tiny Llama of
-  :func:`~guardtrain.bench.hf_data.tiny_llama_config` (2 layers, width 32); each step
+  :func:`~benchmarks.hf_data.tiny_llama_config` (2 layers, width 32); each step
   ``model.eval()``, ``generate()`` under ``no_grad`` (4 left-padded prompts of 5 to 8
   tokens, 16 new tokens sampled with ``top_k=8``), then ``model.train()``, a language-model
   loss on prompts and rollouts, AdamW. ``tuner.step`` spans both. Plain compile:
@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from guardtrain.bench.hf_data import tiny_llama_config
-from guardtrain.bench.workloads.core import (
+from benchmarks.core import (
     HFRunner,
     LoopJob,
     LoopRunner,
@@ -33,7 +32,8 @@ from guardtrain.bench.workloads.core import (
     Setting,
     Workload,
 )
-from guardtrain.bench.workloads.dpo import scratch_dir
+from benchmarks.dpo import scratch_dir
+from benchmarks.hf_data import tiny_llama_config
 
 __all__ = ["WORKLOADS", "prompts"]
 
@@ -99,7 +99,7 @@ def _grpo(setting: Setting) -> Runner:
     from transformers import LlamaForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from guardtrain.bench.workloads.trl_dpo import WORDS, word_tokenizer
+    from benchmarks.trl_dpo import WORDS, word_tokenizer
 
     datasets.disable_progress_bars()
     torch.manual_seed(0)

@@ -1,0 +1,305 @@
+"""The one door to PyTorch's private internals.
+
+Every private PyTorch name guardtrain reads or writes is reached here, and only here: the
+rest of the package imports what it needs from this module, by the names below. A torch
+release that moves one of them breaks this file, in one place, and ``scripts/matrix.sh``
+(torch 2.11 to 2.15, docs/versions.md) runs the suite on each. Each entry names the
+private source, what guardtrain uses it for, and the releases it was checked on; where a
+release lacks it, the entry is ``None`` (or a stand-in that says so) and the feature that
+needs it is switched off with a reason, never an error.
+
+Module handles (``eval_frame``, ``dynamo_config``, ``guards``) are handed out as objects,
+so that the per-call path reads ``handle.attribute`` as it did before: one attribute
+lookup on a module-level name, no added call.
+
+| entry | private source | what for | checked on |
+|---|---|---|---|
+| ``eval_frame`` | ``torch._dynamo.eval_frame`` | the stance (``eval_frame._stance``: read by a steady call and written around its own compiled call, H41), ``OptimizedModule`` | 2.11-2.15 |
+| ``dynamo_config`` | ``torch._dynamo.config`` | the run's config values saved, set and put back (``install_free_tensors``, ``skip_nnmodule_hook_guards``, ``use_recursive_dict_tags_for_guards``, ``recompile_limit``) | 2.11-2.15 |
+| ``guards`` | ``torch._C._dynamo.guards`` | ``dict_version`` (H33), ``TensorGuards``, ``GlobalStateGuard`` (H30), the guard-manager classes of the polled versions | 2.11-2.15 |
+| ``GuardManagerType`` | ``torch._dynamo.guards.GuardManagerType`` | the polled versions' guard tree | 2.11-2.15 |
+| ``GuardFilterEntry``, ``guard_builder_names`` | ``torch._dynamo.types``, ``torch._dynamo.guards.GuardBuilder`` | the guard filters' entries and guard kinds | 2.11-2.15 (``code_parts``: 2.15) |
+| ``cache_entry_list`` | ``torch._dynamo.eval_frame._debug_get_cache_entry_list`` | a code object's cache entries: their code and guard managers (H26, H30, H32) | 2.11-2.15 |
+| ``live_codes`` | ``torch._dynamo.utils.orig_code_map`` | whether Dynamo still knows a harvested entry (``torch._dynamo.reset()`` empties it, H30) | 2.11-2.15 |
+| ``reset_code`` | ``torch._dynamo.reset_code`` | forget the entries of the frames after a graph break on a rebuild | 2.11-2.15 |
+| ``callback_handler`` | ``torch._dynamo.callback_handler`` | the compile-start callback that keeps ``install_free_tensors`` to the trampoline's own frame (H12) | 2.11-2.15 (callbacks take an argument from 2.8) |
+| ``compiling_frame`` | the locals ``code`` and ``recompile_reason`` of Dynamo's ``_compile`` frame | which frame a guard filter call compiles, and why | 2.11-2.15 |
+| ``graph_break_records``, ``graph_break_counts``, ``skipped_by_dynamo`` | ``torch._dynamo.utils.graph_break_reasons`` and ``counters["graph_break"]``, ``torch._dynamo.trace_rules.check`` | where the graph breaks are (H20) | 2.11-2.15 |
+| ``frame_compiles``, ``compile_seconds`` | ``torch._dynamo.utils.counters["frames"]``, ``calculate_time_spent()`` | compile counts and torch's own compile seconds | 2.11-2.15 |
+| ``dynamo_counters``, ``fx_graph_cache_on``, ``cache_artifacts`` | ``torch._dynamo.utils.counters``, ``torch._inductor.config.fx_graph_cache``, ``torch.compiler._cache.CacheArtifactManager`` | what a warm start loaded, and a bad artifact refused at load | 2.11-2.15 |
+| ``inductor_mode_options`` | ``torch._inductor.list_mode_options`` | a ``mode`` expanded beside the guard filter (H10) | 2.11-2.15 |
+| ``profiler_enabled`` | ``torch._C._autograd._profiler_enabled`` | a user's profiler is left alone | 2.11-2.15 |
+| ``requires_grad_getter``, ``requires_grad_descriptor``, ``DisableTorchFunction`` | ``torch._C.TensorBase.__dict__["requires_grad"]``, ``torch._C.DisableTorchFunction`` | ``requires_grad`` read and watched below ``__torch_function__`` (H42) | 2.11-2.15 |
+| ``torch_function_state``, ``set_torch_function_state`` | ``torch._C._get_torch_function_state``, ``_set_torch_function_state`` | a guard check that raised leaves the state as it found it (2.11-2.14, H36) | 2.11-2.15 |
+| ``any_autocast``, ``frame_callback``, ``torch_function_modes``, ``top_saved_hooks``, ``hooks_inlineable`` | ``torch._C._is_any_autocast_enabled``, ``torch._C._dynamo.eval_frame.get_eval_frame_callback``, ``torch._C._len_torch_function_stack``, ``torch._C._autograd._top_saved_tensors_default_hooks``, ``torch._functorch._aot_autograd.utils.saved_tensors_hooks_are_inlineable`` | the per-call mode and outside-state checks of direct dispatch (H30, H31) | 2.11-2.15 |
+| ``dispatch_mode_on_stack``, ``any_dispatch_mode`` | ``torch.utils._python_dispatch`` | a dispatch mode makes Dynamo skip a frame (H18) | 2.11-2.15 |
+| ``unspecialized_module_variable`` | ``torch._dynamo.variables.nn_module.UnspecializedNNModuleVariable`` | a module Dynamo traces as a plain object (its attribute reads are guarded by value) | 2.11-2.15 |
+| ``DynamoException``, ``RecompileLimitHit`` | ``torch._dynamo.exc.TorchDynamoException``, ``FailOnRecompileLimitHit`` | the compiled optimizer step's fallback (H49) | 2.11-2.15 |
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Callable
+
+import torch
+import torch._dynamo
+import torch._dynamo.config
+import torch._dynamo.eval_frame
+import torch._dynamo.utils
+from torch.utils import _python_dispatch
+
+__all__ = [
+    "DisableTorchFunction",
+    "DynamoException",
+    "GuardFilterEntry",
+    "GuardManagerType",
+    "OptimizedModule",
+    "RecompileLimitHit",
+    "any_autocast",
+    "any_dispatch_mode",
+    "cache_entry_list",
+    "callback_handler",
+    "compile_seconds",
+    "compiling_frame",
+    "dispatch_mode_on_stack",
+    "dynamo_config",
+    "eval_frame",
+    "frame_callback",
+    "frame_compiles",
+    "fx_graph_cache_on",
+    "graph_break_counts",
+    "graph_break_records",
+    "guard_builder_names",
+    "guards",
+    "has_saved_hooks_check",
+    "hooks_inlineable",
+    "cache_artifacts",
+    "dynamo_counters",
+    "inductor_mode_options",
+    "live_codes",
+    "profiler_enabled",
+    "requires_grad_descriptor",
+    "requires_grad_getter",
+    "reset_code",
+    "set_torch_function_state",
+    "skipped_by_dynamo",
+    "stance_is_unsafe",
+    "top_saved_hooks",
+    "torch_function_modes",
+    "torch_function_state",
+    "unspecialized_module_variable",
+]
+
+# -- module handles ------------------------------------------------------------------------
+
+eval_frame: Any = torch._dynamo.eval_frame
+"""Dynamo's eval-frame module: the stance is its ``_stance`` (one value for the process,
+H11), read and written by a steady call around its own compiled call (H41)."""
+dynamo_config: Any = torch._dynamo.config
+"""Dynamo's config module: the values a run saves, sets and puts back."""
+guards: Any = torch._C._dynamo.guards
+"""Dynamo's C++ guards: ``dict_version``, ``TensorGuards``, ``GlobalStateGuard``, guard
+managers."""
+OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
+"""What ``torch.compile(module)`` returns."""
+
+
+def stance_is_unsafe() -> bool:
+    """Whether ``skip_guard_eval_unsafe`` is set in this process now."""
+    return bool(eval_frame._stance.skip_guard_eval_unsafe)
+
+
+# -- guards and cache entries --------------------------------------------------------------
+
+from torch._dynamo.guards import GuardManagerType  # noqa: E402
+from torch._dynamo.types import GuardFilterEntry  # noqa: E402
+
+
+def guard_builder_names() -> frozenset[str]:
+    """The names of Dynamo's guard kinds (``GuardBuilder``'s methods): what a filter entry's
+    ``guard_type`` may be."""
+    from torch._dynamo.guards import GuardBuilder
+
+    return frozenset(n for n in dir(GuardBuilder) if callable(getattr(GuardBuilder, n, None)))
+
+
+cache_entry_list: Callable[[types.CodeType], list[Any]] | None = getattr(
+    eval_frame, "_debug_get_cache_entry_list", None
+)
+"""Dynamo's cache entries of a code object, newest first (None on a torch without it)."""
+
+live_codes: dict[int, Any] | None = getattr(
+    getattr(torch._dynamo.utils, "orig_code_map", None), "values", None
+)
+"""Dynamo's map from each compiled entry's code to its original code, keyed by ``id``:
+``torch._dynamo.reset()`` empties it in place, so ``id(code) in live_codes`` tells
+whether Dynamo still knows an entry (H30)."""
+
+reset_code: Callable[[types.CodeType], None] | None = getattr(torch._dynamo, "reset_code", None)
+"""Forget a code object's cache entries (None on a torch without it)."""
+
+
+def callback_handler() -> Any:
+    """Dynamo's compile callbacks (``register_start_callback``), or None."""
+    return getattr(torch._dynamo, "callback_handler", None)
+
+
+def compiling_frame() -> tuple[types.CodeType | None, str | None]:
+    """The code object Dynamo is compiling and its recompile reason.
+
+    Read from Dynamo's ``_compile`` frame on the stack (a guard filter is called from
+    inside it); ``(None, None)`` if this torch lays it out otherwise.
+    """
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "_compile":
+            found = frame.f_locals
+            code = found.get("code")
+            if isinstance(code, types.CodeType):
+                reason = found.get("recompile_reason")
+                return code, reason if isinstance(reason, str) else None
+        frame = frame.f_back
+    return None, None
+
+
+# -- graph breaks, compiles, counters -------------------------------------------------------
+
+
+def graph_break_records() -> list[Any] | None:
+    """Dynamo's record of every graph break (reason and traced user stack), or None."""
+    records = getattr(torch._dynamo.utils, "graph_break_reasons", None)
+    return records if isinstance(records, list) else None
+
+
+def graph_break_counts() -> Any:
+    """Dynamo's count of graph breaks by reason text (the fallback of
+    :func:`graph_break_records`)."""
+    return torch._dynamo.utils.counters["graph_break"]
+
+
+def skipped_by_dynamo(code: types.CodeType) -> bool | None:
+    """Whether Dynamo skips ``code``'s frame as a top-level frame (torch's own modules), or
+    None when this torch cannot tell."""
+    try:
+        from torch._dynamo import trace_rules
+
+        return bool(trace_rules.check(code))
+    except Exception:
+        return None
+
+
+def frame_compiles() -> int:
+    """Dynamo's frame compiles in this process so far."""
+    return int(torch._dynamo.utils.counters["frames"]["ok"])
+
+
+def compile_seconds() -> float:
+    """Torch's own count of the seconds this process spent compiling: Dynamo's frame
+    compiles and the backward graphs compiled on their first use (``total_wall_time``)."""
+    spent = torch._dynamo.utils.calculate_time_spent()
+    return float(spent.get("total_wall_time", 0.0))
+
+
+def dynamo_counters() -> Any:
+    """Dynamo's counters (``counters[group][name]``): inductor's and AOTAutograd's cache
+    hits among them."""
+    return torch._dynamo.utils.counters
+
+
+def cache_artifacts(payload: bytes) -> Any:
+    """The compile-cache artifacts in a ``save_cache_artifacts`` payload, by cache."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    return CacheArtifactManager.deserialize(payload)
+
+
+def fx_graph_cache_on() -> bool:
+    """Whether inductor's FX graph cache is on (a warm start needs it)."""
+    import torch._inductor.config
+
+    return bool(torch._inductor.config.fx_graph_cache)
+
+
+def inductor_mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:
+    """The inductor options of a ``torch.compile`` mode."""
+    import torch._inductor
+
+    return dict(torch._inductor.list_mode_options(mode, dynamic))
+
+
+def profiler_enabled() -> bool:
+    """Whether a PyTorch profiler (autograd or kineto) is recording in this process."""
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
+        return True
+    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return bool(enabled()) if enabled is not None else False
+
+
+# -- below __torch_function__ ----------------------------------------------------------------
+
+requires_grad_descriptor: Any = torch._C.TensorBase.__dict__["requires_grad"]
+"""``Tensor.requires_grad``'s descriptor on the C base class (watched, H42)."""
+requires_grad_getter: Callable[[torch.Tensor], bool] = requires_grad_descriptor.__get__
+"""Reads ``requires_grad`` without ``__torch_function__`` (H42)."""
+DisableTorchFunction: Any = torch._C.DisableTorchFunction
+"""A context without ``__torch_function__`` dispatch."""
+torch_function_state: Callable[[], Any] = torch._C._get_torch_function_state  # type: ignore[attr-defined]
+set_torch_function_state: Callable[[Any], None] = torch._C._set_torch_function_state  # type: ignore[attr-defined]
+
+any_autocast: Callable[[], bool] = getattr(
+    torch._C, "_is_any_autocast_enabled", lambda: torch.is_autocast_enabled()
+)
+"""Whether autocast is on for any device."""
+frame_callback: Callable[[], Any] = torch._C._dynamo.eval_frame.get_eval_frame_callback
+"""The eval-frame callback now (None outside compiled code)."""
+torch_function_modes: Callable[[], int] = torch._C._len_torch_function_stack
+"""How many torch-function modes are active."""
+top_saved_hooks: Callable[[bool], Any] = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None
+)
+"""The innermost saved-tensor hooks pair, or None (H31)."""
+has_saved_hooks_check: bool = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+
+
+dispatch_mode_on_stack: Callable[[], bool] = getattr(
+    _python_dispatch, "any_torch_dispatch_mode_on_stack", lambda: False
+)
+"""Whether a TorchDispatchMode is on the stack (Dynamo's test when it inlines them)."""
+any_dispatch_mode: Callable[[], bool] = getattr(
+    _python_dispatch, "is_in_any_mode_without_ignore_compile_internals", lambda: False
+)
+"""Whether a TorchDispatchMode that makes Dynamo skip a frame is active (H18)."""
+
+
+def hooks_inlineable(pair: Any) -> bool | None:
+    """Whether Dynamo inlines the saved-tensor hooks ``pair`` (H31), or None when this
+    torch cannot tell."""
+    try:
+        from torch._functorch._aot_autograd.utils import saved_tensors_hooks_are_inlineable
+    except ImportError:
+        return None
+    return bool(saved_tensors_hooks_are_inlineable(pair))
+
+
+# -- classes guardtrain recognises ------------------------------------------------------------
+
+
+def unspecialized_module_variable() -> type | None:
+    """Dynamo's variable class for a module it traces as a plain object, or None."""
+    try:
+        from torch._dynamo.variables.nn_module import UnspecializedNNModuleVariable
+    except ImportError:
+        return None
+    return UnspecializedNNModuleVariable
+
+
+DynamoException: type[BaseException] = torch._dynamo.exc.TorchDynamoException
+"""The base of Dynamo's own errors."""
+RecompileLimitHit: type[BaseException] = getattr(
+    torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException
+)
+"""Dynamo's error at the recompile limit under ``fail_on_recompile_limit_hit``."""
