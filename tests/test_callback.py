@@ -518,10 +518,14 @@ def test_no_profiler_runs_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> N
     s = cb.summary()
     assert s["lookup_us"] == {} and s["steady_steps"] > 0, s
     assert s["step"]["saved_us"] is None and "measure_lookup=False" in s["step"]["why"]
-    assert s["step"]["served_calls"] == 0  # under the stance, no cache: none counted
+    # Aggressive: no direct calls, no generate(); every steady call under the stance.
+    assert s["step"]["direct_calls"] == s["step"]["generate_calls_served"] == 0
+    assert s["step"]["full_guard_calls"] == 0
     assert s["step"]["guards_per_call"] > 0
     assert s["step"]["bench_guard_share"] == BENCH_GUARD_SHARE["aggressive"]
-    assert "the bench measured aggressive's guard and pre-graph time" in cb.format_summary()
+    table = cb.format_summary()
+    assert "steady calls: 0 with full guards, the others under the stance" in table
+    assert "the bench measured aggressive's guard and pre-graph time" in table
 
 
 def test_lookup_window_leaves_a_users_profiler_alone() -> None:

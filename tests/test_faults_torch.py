@@ -8,6 +8,7 @@ without a lever").
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -15,9 +16,11 @@ import pytest
 import torch
 from helpers import TinyModule, assert_restored, compare, guard_without_lookup
 
+from guardtrain import _torch
+
 
 class _ConfigWithout:
-    """``torch._dynamo.config`` as an older torch has it: without ``hidden``."""
+    """Dynamo's config as an older torch has it: without ``hidden``."""
 
     def __init__(self, real: Any, hidden: str) -> None:
         object.__setattr__(self, "_real", real)
@@ -32,6 +35,16 @@ class _ConfigWithout:
         if name == self._hidden:
             raise AttributeError(name)
         setattr(self._real, name, value)
+
+
+def _hide_config_key(monkeypatch: pytest.MonkeyPatch, hidden: str) -> None:
+    """Hide one of Dynamo's config keys from guardtrain: its door (``guardtrain._torch``)
+    and every module that took the config from it see a config without ``hidden``."""
+    real = _torch.dynamo_config
+    older = _ConfigWithout(real, hidden)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("guardtrain") and getattr(module, "dynamo_config", None) is real:
+            monkeypatch.setattr(module, "dynamo_config", older)
 
 
 def test_torch_without_skip_guard_eval_unsafe(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,11 +65,7 @@ def test_torch_without_skip_guard_eval_unsafe(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_torch_without_recursive_dict_tags(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        torch._dynamo,
-        "config",
-        _ConfigWithout(torch._dynamo.config, "use_recursive_dict_tags_for_guards"),
-    )
+    _hide_config_key(monkeypatch, "use_recursive_dict_tags_for_guards")
     # Presets leave dict tags at torch's default (H22): only an explicit True asks for them.
     cb = guard_without_lookup(recursive_dict_tags=True)
     with pytest.warns(UserWarning, match=r"recursive_dict_tags is switched off: needs torch>=2.9"):
@@ -81,16 +90,12 @@ def test_torch_without_the_named_filter(monkeypatch: pytest.MonkeyPatch) -> None
     assert [o["lever"] for o in cb.summary()["switched_off"]] == ["guard_filter"]
 
 
-def test_bug_torch_without_install_free_tensors_crashes_every_compiled_call(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """setup() switches the lever off with a warning on a torch without the config key,
-    but the installed ``forward`` (``guardtrain/compile/forward.py``, ``guarded``) still reads
-    ``cfg.install_free_tensors`` on every call: ``AttributeError``. (Not reachable with
-    the declared ``torch>=2.8``; the switch-off branch exists for it.)"""
-    monkeypatch.setattr(
-        torch._dynamo, "config", _ConfigWithout(torch._dynamo.config, "install_free_tensors")
-    )
+def test_torch_without_install_free_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup() switches the lever off with a warning on a torch without the config key, and
+    no compiled call reads the key after (the per-call path reads it only where the target
+    uses the lever). Not reachable with the declared ``torch>=2.8``; the switch-off branch
+    exists for it."""
+    _hide_config_key(monkeypatch, "install_free_tensors")
     cb = guard_without_lookup()
     with pytest.warns(UserWarning, match=r"install_free_tensors is switched off: needs torch>=2.8"):
         _, model = compare(TinyModule, lambda: cb)

@@ -361,12 +361,13 @@ def _submodule_mode(net: Core, step: int, opt: Any) -> None:
         net.drop.train(not changed(step))
 
 
-def _replace_weight(net: Core, step: int, opt: torch.optim.Optimizer) -> None:
+def _replace_weight(net: Core, step: int, opt: torch.optim.Optimizer, layer: str = "out") -> None:
     if step != CHANGE:
         return
-    old = net.out.weight
+    module = getattr(net, layer)
+    old = module.weight
     new = nn.Parameter(old.detach() * 0.5)
-    net.out.weight = new
+    module.weight = new
     for group in opt.param_groups:
         group["params"] = [new if p is old else p for p in group["params"]]
 
@@ -383,13 +384,7 @@ class HookProj(Core):
 
 
 def _replace_hook_proj_weight(net: HookProj, step: int, opt: torch.optim.Optimizer) -> None:
-    if step != CHANGE:
-        return
-    old = net.hook_proj.weight
-    new = nn.Parameter(old.detach() * 0.5)
-    net.hook_proj.weight = new
-    for group in opt.param_groups:
-        group["params"] = [new if p is old else p for p in group["params"]]
+    _replace_weight(net, step, opt, layer="hook_proj")
 
 
 def _add_hook(net: Core, step: int, opt: Any) -> None:

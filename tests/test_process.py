@@ -48,7 +48,7 @@ def test_pause_and_resume_put_the_config_back_and_set_it_again() -> None:
     settings = PROCESS.start_run("test")
     settings.begin({"install_free_tensors": not before})
     assert cfg.install_free_tensors is (not before)
-    assert "torch._dynamo.config.install_free_tensors (test's run)" in PROCESS.changed()
+    assert "Dynamo's config install_free_tensors (test's run)" in PROCESS.changed()
     settings.pause()
     assert cfg.install_free_tensors is before and PROCESS.changed() == []
     settings.set_config("install_free_tensors", not before)  # remembered, set at resume

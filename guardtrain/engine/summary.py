@@ -74,15 +74,19 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
 
 
 def _counts(e: Run) -> dict[str, Any]:
-    """The bottom line from counters, on every run: the calls served in the steady state
-    (run directly, or ``generate()``'s under the stance), the guards a call of the targets
-    evaluates with full guards (what the steady state skips), and the bench's own figure
-    for the preset, named as the bench's (:data:`~guardtrain.presets.BENCH_GUARD_SHARE`)."""
+    """The bottom line from counters, on every run: the steady state's calls dispatched
+    directly (turbo) and with full guards (the others ran under the stance, uncounted: a
+    counter would cost every call), the ``generate()`` calls served, the guards a call of
+    the targets evaluates with full guards (what the steady state skips), and the bench's
+    own figure for the preset, named as the bench's
+    (:data:`~guardtrain.presets.BENCH_GUARD_SHARE`)."""
     ts = e.targets
     preset = "turbo" if e.config.preset == AUTO else e.config.preset
     share = BENCH_GUARD_SHARE.get(preset) if e.levers.use_stance else None
     return {
-        "served_calls": _direct(e)["calls"] + _decode(e)["served"],
+        "direct_calls": _direct(e)["calls"],
+        "full_guard_calls": ts.full_guard_calls + sum(t.full_guard_calls for t in ts.kept),
+        "generate_calls_served": _decode(e)["served"],
         "guards_per_call": sum(t.code.guard_count for t in ts.kept),
         "bench_guard_share": share,
     }
