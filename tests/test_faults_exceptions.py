@@ -11,7 +11,7 @@
 
 The bad inputs are in ``test_faults_models.py`` (models refused or taken over when
 the run starts), ``test_arguments.py`` (constructor arguments) and
-``test_faults_torch.py`` (a torch without a lever).
+``test_faults_torch.py`` (a torch without a named filter).
 """
 
 from __future__ import annotations

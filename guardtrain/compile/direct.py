@@ -171,7 +171,8 @@ class _WholeDiff:
 
 
 _RESUME_PREFIXES = ("torch_dynamo_resume_in_", "__resume_at_")
-"""How Dynamo names the resume functions of a frame it broke (the second before torch 2.5)."""
+"""How Dynamo names the resume functions of a frame it broke: the function's own name, and
+the global that the compiled code calls it by."""
 
 
 def whole(code: types.CodeType) -> bool:

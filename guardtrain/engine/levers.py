@@ -1,13 +1,13 @@
 """Levers: which of the preset's levers the installed torch, the strategy and the world allow.
 
 :func:`resolve` is what :meth:`GuardEngine.setup <guardtrain.engine.engine.GuardEngine.setup>`
-runs for each run (the bench calls it too): every lever this torch lacks, or that
-the strategy forbids, is switched off with a warning that says why.
+runs for each run (the bench calls it too): every lever that the strategy forbids is
+switched off with a warning that says why. The supported torch releases (2.11 and later)
+have every lever.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,16 +24,9 @@ from guardtrain.filters import GuardFilter
 __all__ = ["DictTagsNotes", "Levers", "config_values", "requested", "resolve"]
 
 
-def _parameters(fn: Any) -> tuple[str, ...]:
-    try:
-        return tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return ()
-
-
 @dataclass(slots=True)
 class Levers:
-    """The levers in force for this run (a lever the installed torch lacks is off)."""
+    """The levers in force for this run (a lever the strategy forbids is off)."""
 
     install_free_tensors: bool = False
     recursive_dict_tags: bool | None = None
@@ -108,15 +101,6 @@ def resolve(
             "and install_free_tensors freezes parameter identity in the graph",
         )
     _resolve_dict_tags(lv, config, host, notes)
-    dynamo_cfg = dynamo_config
-    if lv.install_free_tensors and not hasattr(dynamo_cfg, "install_free_tensors"):
-        lv.install_free_tensors = False
-        lv.switch_off(
-            host, "install_free_tensors", f"needs torch>=2.8 (installed {torch.__version__})"
-        )
-    if lv.use_stance and "skip_guard_eval_unsafe" not in _parameters(torch.compiler.set_stance):
-        lv.use_stance = False
-        lv.switch_off(host, "use_stance", f"needs torch>=2.6 (installed {torch.__version__})")
     if lv.direct_dispatch:
         why = _direct_refusal(lv, config, world_size, swaps_parameters)
         if why is not None:
@@ -158,23 +142,16 @@ def _resolve_dict_tags(lv: Levers, config: GuardConfig, host: Host, notes: DictT
     """Recursive dict tags (H22): None leaves torch's default; a bool from the user sets it."""
     cfg = dynamo_config
     explicit = config.levers.recursive_dict_tags
-    has_lever = hasattr(cfg, "use_recursive_dict_tags_for_guards")
-    default = bool(getattr(cfg, "use_recursive_dict_tags_for_guards", False))
+    default = bool(cfg.use_recursive_dict_tags_for_guards)
     release = torch.__version__.split("+")[0]
-    if explicit and not has_lever:
-        lv.recursive_dict_tags = False
-        lv.switch_off(
-            host, "recursive_dict_tags", f"needs torch>=2.9 (installed {torch.__version__})"
-        )
-    else:
-        # torch 2.10 and 2.11 default to True without the segfault fixes (H36).
-        risky = _versions.risky_dict_tags_default()
-        notes.overridden = explicit is None and risky
-        on = (default and not risky) if explicit is None else explicit
-        lv.recursive_dict_tags = on
-        if on and (not default or risky) and not notes.warned:
-            notes.warned = True
-            host.warn(_versions.dict_tags_warning(release, default))
+    # torch 2.10 and 2.11 default to True without the segfault fixes (H36).
+    risky = _versions.risky_dict_tags_default()
+    notes.overridden = explicit is None and risky
+    on = (default and not risky) if explicit is None else explicit
+    lv.recursive_dict_tags = on
+    if on and (not default or risky) and not notes.warned:
+        notes.warned = True
+        host.warn(_versions.dict_tags_warning(release, default))
     if not lv.recursive_dict_tags and not notes.told:
         notes.told = True
         host.info(
@@ -191,8 +168,6 @@ def _why_off(explicit: bool | None, notes: DictTagsNotes, release: str) -> str:
             f"torch {release}'s default; PyTorch switched them off after "
             "segfaults, pytorch/pytorch#181873"
         )
-    if explicit:
-        return f"not in torch {release}"
     return "recursive_dict_tags=False"
 
 
