@@ -89,12 +89,17 @@ def _step_lines(s: dict[str, Any]) -> list[str]:
         else:
             text += f"; the run's own saving {step['why']}"
         lines.append(text)
-    counted = f"  counted          steady calls: {step.get('full_guard_calls', 0)} with full guards"
-    if (s.get("direct_dispatch") or {}).get("on"):
-        counted += f", {step.get('direct_calls', 0)} dispatched directly"
-    counted += ", the others under the stance"
-    if step.get("generate_calls_served"):
-        counted += f" ({step['generate_calls_served']} of generate() served)"
+    if not (s.get("levers") or {}).get("use_stance"):
+        counted = "  counted          every call with full guards (the stance is off)"
+    else:
+        counted = (
+            f"  counted          steady calls: {step.get('full_guard_calls', 0)} with full guards"
+        )
+        if (s.get("direct_dispatch") or {}).get("on"):
+            counted += f", {step.get('direct_calls', 0)} dispatched directly"
+        counted += ", the others under the stance"
+        if step.get("generate_calls_served"):
+            counted += f" ({step['generate_calls_served']} of generate() served)"
     counted += f"; a call with full guards evaluates {step.get('guards_per_call', 0)} guards"
     if step.get("bench_guard_share") is not None:
         counted += (
