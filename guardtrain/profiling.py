@@ -164,10 +164,6 @@ class LookupStats:
         return sum(self.guard_durations_us)
 
     @property
-    def pregraph_us_total(self) -> float:
-        return sum(self.pregraph_durations_us)
-
-    @property
     def guard_us(self) -> float:
         """Guard µs per compiled call: the median lookup (0.0 when nothing compiled ran)."""
         return _median(self.guard_durations_us)

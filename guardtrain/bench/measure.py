@@ -146,11 +146,6 @@ def _paired(a: list[float | None], b: list[float | None]) -> list[float]:
     return [x / y for x, y in zip(a, b) if x is not None and y]
 
 
-def _paired_ratio(a: list[float | None], b: list[float | None]) -> float | None:
-    ratios = _paired(a, b)
-    return statistics.median(ratios) if ratios else None
-
-
 def frames_per_call(model: BenchModel) -> int:
     """Compiled frames per model call: the targets the presets compile (12 blocks for
     ``regional``, 1 for a whole model), graph breaks not counted."""
