@@ -320,7 +320,7 @@ def test_a_target_breaking_in_training_alone_serves_its_other_calls(preset: str)
     eager, _ = _rollouts_and_updates(None)
     with pytest.warns(UserWarning, match="its calls whose entry breaks run with full guards"):
         losses, tuner = _rollouts_and_updates(preset)
-    for i, (a, b) in enumerate(zip(eager, losses)):
+    for i, (a, b) in enumerate(zip(eager, losses, strict=True)):
         assert torch.equal(a, b), f"loss {i}"
     s = tuner.summary()
     assert s["targets"] == ["<model>"] and s["graph_breaks"] == [], s["graph_breaks"]

@@ -2,8 +2,9 @@
 
 Dynamo keeps a ``GraphCompileReason`` for every graph break it makes, with the
 reason and the user stack it was tracing (:func:`guardtrain._torch.graph_break_records`).
-It fills that list whether or not logging is on, and Dynamo's ``reset()`` empties it. Reading it needs no log handler and no config change: nothing is
-printed and no global state changes. ``counters["graph_break"]`` (the fallback
+It fills that list whether or not logging is on, and Dynamo's ``reset()`` empties it.
+Reading it needs no log handler and no config change: nothing is printed and no global
+state changes. ``counters["graph_break"]`` (the fallback
 for a torch without the list) has the reason text only, and no entry at all for
 data-dependent branching.
 

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from guardtrain.compile import grad_change, grad_moved
 from guardtrain.fingerprints import ModuleChange, fingerprint_change, module_fingerprint
 
-__all__ = ["Action", "Change", "ChangeLog", "Found", "decide", "found_in"]
+__all__ = ["Action", "Change", "ChangeLog", "Found", "decide", "found_in", "stale_found"]
 
 
 class Change(enum.StrEnum):
@@ -97,13 +97,24 @@ def decide(target: Any, under_stance: bool) -> Found | None:
         if change is not None:
             return found_in(change)
     stale, unmatched = target.check_assertions()
-    failed = target.last_failed
-    kind = Change.GLOBALS if failed is not None and failed.glob else Change.MODULE_STATE
     if stale is not None:
-        return Found(Action.REBUILD, kind, f"{stale} (a guard that was dropped or skipped)")
+        return stale_found(target, stale)
     if unmatched is not None and under_stance:
-        return Found(Action.LEAVE, kind, unmatched)
+        return Found(Action.LEAVE, _assertion_kind(target), unmatched)
     return None
+
+
+def stale_found(target: Any, stale: str) -> Found:
+    """A rebuild for ``stale``, the assertion of ``target`` that no longer holds."""
+    detail = f"{stale} (a guard that was dropped or skipped)"
+    return Found(Action.REBUILD, _assertion_kind(target), detail)
+
+
+def _assertion_kind(target: Any) -> Change:
+    """The kind of change behind ``target``'s last failed assertion: a global's, or the
+    module's state."""
+    failed = target.last_failed
+    return Change.GLOBALS if failed is not None and failed.glob else Change.MODULE_STATE
 
 
 class ChangeLog:

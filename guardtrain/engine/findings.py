@@ -15,7 +15,7 @@ from typing import Any
 
 from guardtrain.compile import CompiledTarget, Miss, MissReason
 from guardtrain.engine import decisions
-from guardtrain.engine.changes import Action, Change, Found, decide, found_in
+from guardtrain.engine.changes import Action, Change, Found, decide, found_in, stale_found
 from guardtrain.engine.config import GuardConfig
 from guardtrain.fingerprints import fingerprint_change, module_fingerprint
 
@@ -103,10 +103,7 @@ class Checks:
         if change is not None:
             return Finding(rebuild=found_in(change))
         if stale is not None:
-            failed = target.last_failed
-            kind = Change.GLOBALS if failed is not None and failed.glob else Change.MODULE_STATE
-            detail = f"{stale} (a guard that was dropped or skipped)"
-            return Finding(rebuild=Found(Action.REBUILD, kind, detail))
+            return Finding(rebuild=stale_found(target, stale))
         return Finding(leave=unmatched, retake=retake)
 
 

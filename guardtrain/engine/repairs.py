@@ -335,7 +335,7 @@ class Repairs:
         full guards, the others under the stance or directly (H4). A target whose every
         entry breaks keeps the stance off (:func:`~guardtrain.engine.decisions.blocker`)."""
         mixed = target.mixed or _has_unbroken_entry(target)
-        if self._splits_at_break(target) and self._split(target, mine):
+        if self._splits_at_break(target, mixed) and self._split(target, mine):
             return
         if not target.graph_breaks_reported:
             target.graph_breaks_reported = True
@@ -344,12 +344,12 @@ class Repairs:
         if target.reference is None:
             target.take_reference()
 
-    def _splits_at_break(self, target: CompiledTarget) -> bool:
+    def _splits_at_break(self, target: CompiledTarget, mixed: bool) -> bool:
         """Whether ``target``'s graph breaks split it: a default target with parts whose
-        every entry breaks."""
+        every entry breaks (not ``mixed``)."""
         return (
             self.run.config.targets is None
-            and not (target.mixed or _has_unbroken_entry(target))
+            and not mixed
             and bool(regions(target.name, target.module))
         )
 
