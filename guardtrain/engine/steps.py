@@ -119,8 +119,9 @@ def bottom_line(
     steady step that guards still take. ``None`` where not measured (the lookup windows
     measure it, ``measure_lookup=True``), and ``why`` says why. ``direct``: the run
     dispatches directly (turbo); ``note`` says what the steady figure then leaves out.
-    ``counts`` (the run's counters: steady calls served, the guards a full-guards call
-    evaluates, the bench's figure for the preset) are added as they are, measured or not.
+    ``counts`` (the run's counters: the steady calls with full guards and directly, the
+    ``generate()`` calls served, the guards a full-guards call evaluates, the bench's
+    figure for the preset) are added as they are, measured or not.
     """
     clock.collect()
     times = list(clock.times)
