@@ -25,7 +25,7 @@ lookup on a module-level name, no added call.
 | ``callback_handler`` | ``torch._dynamo.callback_handler`` | the compile-start callback that keeps ``install_free_tensors`` to the trampoline's own frame (H12) | 2.11-2.15 (callbacks take an argument from 2.8) |
 | ``compiling_frame`` | the locals ``code`` and ``recompile_reason`` of Dynamo's ``_compile`` frame | which frame a guard filter call compiles, and why | 2.11-2.15 |
 | ``graph_break_records``, ``graph_break_counts``, ``skipped_by_dynamo`` | ``torch._dynamo.utils.graph_break_reasons`` and ``counters["graph_break"]``, ``torch._dynamo.trace_rules.check`` | where the graph breaks are (H20) | 2.11-2.15 |
-| ``frame_compiles``, ``compile_seconds`` | ``torch._dynamo.utils.counters["frames"]``, ``calculate_time_spent()`` | compile counts and torch's own compile seconds | 2.11-2.15 |
+| ``frame_compiles``, ``graph_compiles``, ``compile_seconds`` | ``torch._dynamo.utils.counters["frames"]``, ``counters["stats"]["unique_graphs"]``, ``calculate_time_spent()`` | compile counts (frames, and Dynamo's own count of graphs) and torch's own compile seconds | 2.11-2.15 |
 | ``dynamo_counters``, ``fx_graph_cache_on``, ``cache_artifacts`` | ``torch._dynamo.utils.counters``, ``torch._inductor.config.fx_graph_cache``, ``torch.compiler._cache.CacheArtifactManager`` | what a warm start loaded, and a bad artifact refused at load | 2.11-2.15 |
 | ``inductor_mode_options`` | ``torch._inductor.list_mode_options`` | a ``mode`` expanded beside the guard filter (H10) | 2.11-2.15 |
 | ``profiler_enabled`` | ``torch._C._autograd._profiler_enabled`` | a user's profiler is left alone | 2.11-2.15 |
@@ -34,6 +34,7 @@ lookup on a module-level name, no added call.
 | ``any_autocast``, ``frame_callback``, ``torch_function_modes``, ``top_saved_hooks``, ``hooks_inlineable`` | ``torch._C._is_any_autocast_enabled``, ``torch._C._dynamo.eval_frame.get_eval_frame_callback``, ``torch._C._len_torch_function_stack``, ``torch._C._autograd._top_saved_tensors_default_hooks``, ``torch._functorch._aot_autograd.utils.saved_tensors_hooks_are_inlineable`` | the per-call mode and outside-state checks of direct dispatch (H30, H31) | 2.11-2.15 |
 | ``dispatch_mode_on_stack``, ``any_dispatch_mode`` | ``torch.utils._python_dispatch`` | a dispatch mode makes Dynamo skip a frame (H18) | 2.11-2.15 |
 | ``unspecialized_module_variable`` | ``torch._dynamo.variables.nn_module.UnspecializedNNModuleVariable`` | a module Dynamo traces as a plain object (its attribute reads are guarded by value) | 2.11-2.15 |
+| ``MODULE_CONVERSION`` | ``torch.nn.Module._apply`` | the method every conversion (``to``, ``half``, ``double``, ``float``, ``type``, ``to_empty``) runs, which writes module tensors past ``__setattr__``: watched (H55) | 2.11-2.15 |
 | ``DynamoException``, ``RecompileLimitHit`` | ``torch._dynamo.exc.TorchDynamoException``, ``FailOnRecompileLimitHit`` | the compiled optimizer step's fallback (H49) | 2.11-2.15 |
 """
 
@@ -51,6 +52,7 @@ import torch._dynamo.utils
 from torch.utils import _python_dispatch
 
 __all__ = [
+    "MODULE_CONVERSION",
     "DisableTorchFunction",
     "DynamoException",
     "GuardFilterEntry",
@@ -68,6 +70,7 @@ __all__ = [
     "eval_frame",
     "frame_callback",
     "frame_compiles",
+    "graph_compiles",
     "fx_graph_cache_on",
     "graph_break_counts",
     "graph_break_records",
@@ -197,6 +200,13 @@ def frame_compiles() -> int:
     return int(torch._dynamo.utils.counters["frames"]["ok"])
 
 
+def graph_compiles() -> int:
+    """Dynamo's count of the graphs it compiled in this process so far (``unique_graphs``):
+    a frame compile makes one cache entry and as many graphs as its breaks leave, none for
+    a frame without tensor work."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def compile_seconds() -> float:
     """Torch's own count of the seconds this process spent compiling: Dynamo's frame
     compiles and the backward graphs compiled on their first use (``total_wall_time``)."""
@@ -303,3 +313,9 @@ RecompileLimitHit: type[BaseException] = getattr(
     torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException
 )
 """Dynamo's error at the recompile limit under ``fail_on_recompile_limit_hit``."""
+
+
+MODULE_CONVERSION = "_apply"
+"""The name of ``nn.Module``'s method that every conversion runs (``to``, ``half``,
+``double``, ``float``, ``type``, ``to_empty``): it writes ``.data`` and the tensor
+dictionaries directly, past the registration hooks (H55)."""

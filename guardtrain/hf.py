@@ -13,10 +13,10 @@ No callback event of the ``Trainer`` gets the batch, ``on_step_begin`` fires onc
 optimizer step, and there is no evaluation-start or exception event. The callback
 therefore brackets every call of the root model with a forward pre-hook and a forward
 hook (``always_call=True``): the pre-hook tells the engine a batch starts, the hook that
-it ended (unless the forward raised). As in every adapter, torch's stance is set only
-around a target's own compiled call, by that call (H41): the loss, the optimizer step,
-the Trainer's and other callbacks' code and any other compiled function run with full
-guards.
+it ended (unless the forward raised; a call that returned inside an outer ``except`` block
+ended too). As in every adapter, torch's stance is set only around a target's own
+compiled call, by that call (H41): the loss, the optimizer step, the Trainer's and other
+callbacks' code and any other compiled function run with full guards.
 
 The same engine as :class:`~guardtrain.GuardTuneCallback` (Lightning) and
 :class:`~guardtrain.GuardTuner`, with the same keyword arguments. What is
@@ -52,7 +52,8 @@ different in the ``Trainer`` (H38):
   with one warning. Regional compilation (``use_regional_compilation``) becomes
   block targets (:func:`regional_targets`). The plugin stays off while the
   callback is in the Trainer (guardtrain compiles every later ``train()`` and
-  ``evaluate()``); :meth:`GuardTrainerCallback.release` puts it back.
+  ``evaluate()``); :meth:`GuardTrainerCallback.release` puts it back, as does the
+  callback's garbage collection.
 * **Distributed.** Under DDP the ranks agree through accelerate's ``reduce`` and
   ``gather_object``. Under accelerate's FSDP ``install_free_tensors`` is switched
   off and direct dispatch (turbo) is refused, as the engine's FSDP rules say.
@@ -72,6 +73,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
@@ -159,6 +161,8 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         self._current = _TRAIN
         self._inside: nn.Module | None = None
         """The model whose call is the open batch (the root, or a peft model's base)."""
+        self._handling: tuple[BaseException | None, TracebackType | None] = (None, None)
+        """The exception being handled when the open batch's call began (see :func:`_raised`)."""
         self._in_train = False
         self._plugins = hfa.Plugins(_OWNER, self._explicit_compile)
         self._run_off: str | None = None
@@ -271,6 +275,7 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
             self._open(loop)
         self._current = loop
         self._inside = module
+        self._handling = _handled()
         engine.batch_start(loop, (args, kwargs) if args else kwargs, training)
         return None
 
@@ -278,7 +283,8 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         if module is not self._inside:
             return None
         self._inside = None
-        if sys.exc_info()[0] is None:
+        handling, self._handling = self._handling, (None, None)  # no frames kept alive
+        if not _raised(handling):
             # In training the step's backward comes after this call (H52).
             backward = self._current == _TRAIN and torch.is_grad_enabled()
             self._engine.batch_end(self._current, backward_follows=backward)
@@ -305,6 +311,7 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         """Another callback's run released this one, which ended without its events (H45):
         the hooks come off the model and the run is forgotten."""
         self._inside = None
+        self._handling = (None, None)
         self._in_train = False
         self._pass = self._run_off = None
         self._detach()
@@ -377,6 +384,7 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
     def _end_run(self, logged: bool = True) -> None:
         engine = self._engine
         self._inside = None
+        self._handling = (None, None)
         self._pass = None
         if not engine.active:
             return
@@ -395,6 +403,24 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
             _plugins=hfa.Plugins(_OWNER, self._explicit_compile),
         )
         return new
+
+
+def _handled() -> tuple[BaseException | None, TracebackType | None]:
+    """The exception being handled now (a call made inside an ``except`` block), with its
+    traceback as it stands now; ``(None, None)`` outside any."""
+    exc = sys.exc_info()[1]
+    return exc, None if exc is None else exc.__traceback__
+
+
+def _raised(before: tuple[BaseException | None, TracebackType | None]) -> bool:
+    """In the always-called forward hook: whether the call raised, ``before`` being what
+    :func:`_handled` said when it began. Torch calls the hook inside its own ``except``
+    when the forward raised, so an exception is handled there that was not handled
+    before: a new one, or the one handled before raised again by the forward (its
+    traceback grew). A call that returned, also inside an outer ``except`` block, finds
+    the same exception with the same traceback."""
+    exc = sys.exc_info()[1]
+    return exc is not None and (exc is not before[0] or exc.__traceback__ is not before[1])
 
 
 GuardTrainerCallback.__doc__ = document_arguments(GuardTrainerCallback.__doc__, GuardConfig)

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from guardtrain._torch import compile_seconds, profiler_enabled
+from guardtrain._torch import compile_seconds, graph_compiles, profiler_enabled
 
 __all__ = [
     "GUARD_EVENT",
@@ -81,6 +81,10 @@ class CompileMonitor:
     """Torch's compile seconds in this process when the run started compiling."""
     seconds: float = 0.0
     """Torch's compile seconds of the run so far, up to :meth:`stop`."""
+    graphs_at_start: int = 0
+    """Dynamo's graph count in this process when the run started compiling."""
+    graphs: int = 0
+    """Dynamo's graphs compiled in the run so far, up to :meth:`stop`."""
 
     def record(self, step: int, target: str, reason: str | None, label: str = "") -> None:
         self.compiles += 1
@@ -94,11 +98,21 @@ class CompileMonitor:
         """The run starts: its compile seconds count from here."""
         if self.seconds_at_start is None:
             self.seconds_at_start = compile_seconds()
+            self.graphs_at_start = graph_compiles()
 
     def stop(self) -> None:
-        """The run ends: its compile seconds stay as they are now."""
+        """The run ends: its compile seconds and graphs stay as they are now."""
         self.seconds = self.run_seconds()
+        self.graphs = self.run_graphs()
         self.seconds_at_start = None
+
+    def run_graphs(self) -> int:
+        """Dynamo's graphs compiled since :meth:`start` (its ``unique_graphs``): every graph
+        in the process meanwhile, the targets' and any other, where :attr:`compiles` counts
+        the targets' frame compiles (cache entries)."""
+        if self.seconds_at_start is None:
+            return self.graphs
+        return self.graphs + graph_compiles() - self.graphs_at_start
 
     def run_seconds(self) -> float:
         """Torch's compile seconds (frames and backward graphs) since :meth:`start`: every

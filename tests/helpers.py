@@ -395,6 +395,17 @@ def assert_restored(model: nn.Module | None = None) -> None:
         assert nn.Module.__delattr__ is watch._module_delattr
         assert RemovableHandle.remove is watch._handle_remove
         assert not hasattr(nn.Module.register_forward_hook, "__wrapped__")
+        assert not hasattr(nn.Module._apply, "__wrapped__")
+        assert not hasattr(torch.utils.swap_tensors, "__wrapped__")
+        # PyTorch's registration hooks that the change tracking added are removed (H55).
+        from torch.nn.modules import module as module_module
+
+        for hooks in (
+            module_module._global_buffer_registration_hooks,
+            module_module._global_parameter_registration_hooks,
+            module_module._global_module_registration_hooks,
+        ):
+            assert watch._registered not in hooks.values()
         # The requires_grad events' wrapper and property are gone (H42).
         assert "requires_grad" not in nn.Parameter.__dict__
         assert "requires_grad_" not in nn.Parameter.__dict__

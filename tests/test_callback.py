@@ -83,6 +83,12 @@ def test_short_last_batch_train_and_validation() -> None:
     assert any("unseen batch signature" in r["reason"] for r in s["rearms"])
 
 
+MODEL_CHANGE_PRESETS = ["aggressive", "turbo", "auto"]
+"""A Lightning callback that changes the model runs under the preset the test was written
+for, turbo's direct dispatch and the default (``auto``): a change of the per-call path
+broke every stance preset under a stock callback before."""
+
+
 def test_drop_last_has_no_rearm_in_training() -> None:
     cb, _ = compare(TinyModule, lambda: guard(), data={"n_train": 100, "drop_last": True})
     assert not [r for r in cb.summary()["rearms"] if r.get("loop") == "train"]
@@ -93,7 +99,8 @@ def test_sanity_check_disabled() -> None:
     assert cb.summary()["steady_steps"] > 0
 
 
-def test_backbone_finetuning_unfreeze() -> None:
+@pytest.mark.parametrize("preset", MODEL_CHANGE_PRESETS)
+def test_backbone_finetuning_unfreeze(preset: str) -> None:
     class FT(TinyModule):
         def configure_optimizers(self) -> Any:
             params = [p for p in self.parameters() if p.requires_grad]
@@ -104,7 +111,7 @@ def test_backbone_finetuning_unfreeze() -> None:
     # (H42), counted as a caught change.
     cb, _ = compare(
         FT,
-        lambda: guard(compile_kwargs={"backend": "aot_eager"}),
+        lambda: guard(preset, compile_kwargs={"backend": "aot_eager"}),
         extra=lambda: [BackboneFinetuning(unfreeze_backbone_at_epoch=2, verbose=False)],
         max_epochs=4,
     )
@@ -123,16 +130,18 @@ class ReplaceHead(L.Callback):
             trainer.optimizers[0].param_groups[0]["params"] = list(pl_module.parameters())
 
 
-def test_parameter_replaced_with_assign() -> None:
-    cb, _ = compare(TinyModule, lambda: guard(), extra=lambda: [ReplaceHead()], max_epochs=3)
+@pytest.mark.parametrize("preset", MODEL_CHANGE_PRESETS)
+def test_parameter_replaced_with_assign(preset: str) -> None:
+    cb, _ = compare(TinyModule, lambda: guard(preset), extra=lambda: [ReplaceHead()], max_epochs=3)
     reasons = [r["reason"] for r in cb.summary()["rearms"]]
     assert any("replaced" in r for r in reasons), reasons
 
 
-def test_stochastic_weight_averaging() -> None:
+@pytest.mark.parametrize("preset", MODEL_CHANGE_PRESETS)
+def test_stochastic_weight_averaging(preset: str) -> None:
     cb, _ = compare(
         TinyModule,
-        lambda: guard(),
+        lambda: guard(preset),
         extra=lambda: [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)],
         max_epochs=4,
     )
@@ -147,8 +156,11 @@ class ChangeDropout(L.Callback):
             pl_module.backbone[3].p = 0.0
 
 
-def test_changed_module_attribute_forces_recompile() -> None:
-    cb, _ = compare(TinyModule, lambda: guard(), extra=lambda: [ChangeDropout()], max_epochs=3)
+@pytest.mark.parametrize("preset", MODEL_CHANGE_PRESETS)
+def test_changed_module_attribute_forces_recompile(preset: str) -> None:
+    cb, _ = compare(
+        TinyModule, lambda: guard(preset), extra=lambda: [ChangeDropout()], max_epochs=3
+    )
     reasons = [r["reason"] for r in cb.summary()["rearms"]]
     assert any(".p: 0.3 -> 0.0" in r for r in reasons), reasons
 

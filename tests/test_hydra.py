@@ -613,9 +613,15 @@ def test_example_off_and_aggressive_give_the_same_validation_metric(tmp_path: Pa
     assert summaries["off"]["phase"].startswith("off")
     assert int(summaries["off"]["steady steps"]) == 0
     for summary in summaries.values():
-        # every preset compiles: "3; 0.6 s compiling" (the compiles, then torch's seconds)
-        compiles = re.match(r"(\d+)(; [\d.]+ s compiling)?$", summary["compiles"])
+        # every preset compiles: "3 frames, 3 graphs by Dynamo's count (in the whole
+        # process); 0.6 s compiling" (frame compiles, Dynamo's graphs, torch's seconds)
+        compiles = re.match(
+            r"(\d+) frames, (\d+) graphs by Dynamo's count \(in the whole process\)"
+            r"(; [\d.]+ s compiling)?$",
+            summary["compiles"],
+        )
         assert compiles is not None and int(compiles.group(1)) >= 1, summary["compiles"]
+        assert int(compiles.group(2)) >= 1, summary["compiles"]
 
     for key in ("val/loss", "val/acc"):
         off, aggr = (_final_metric(outs[n], key) for n in ("off", "aggressive"))

@@ -747,7 +747,7 @@ OUT_OF_REACH = [
         marks=pytest.mark.xfail(
             strict=True,
             raises=AssertionError,
-            reason="a write into module._buffers (as Module.to(dtype) does) bypasses "
+            reason="a write into module._buffers bypasses "
             "__setattr__; with install_free_tensors the old buffer runs until the next audit "
             "(audit_every batches) or loop boundary",
         ),

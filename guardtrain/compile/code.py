@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import re
 import types
 from typing import Any, Callable, Protocol, Sequence
 
@@ -301,11 +302,13 @@ class TargetCode:
         member = self.current or self.members[0]
         code, reason = compiling_frame()
         own_frame = code is not None and code is self.trampoline
-        if code is not None and not own_frame:
+        if not own_frame:
             # A frame after a graph break (the module's own `forward`, its resume
             # functions, a function it called): code that other instances share, whose
             # guards name that frame's locals, which no boundary re-check can evaluate.
             # Every guard stays, so a target with graph breaks is never rebuilt for them.
+            # The same where the compiling frame cannot be told (a torch that lays out
+            # its `_compile` otherwise): the filter fails closed.
             keep = [True] * len(entries)
         else:
             keep = [bool(k) for k in self.guard_filter(entries)]
@@ -351,7 +354,7 @@ class TargetCode:
 
     def _note_mode(self, mode: CallMode, reason: str | None) -> None:
         """Count a compile for ``mode``, and update the modes the stance may serve."""
-        if reason is not None and ".training" in reason:
+        if reason is not None and _names_training(reason):
             # A failed `.training` guard is one the stance evaluates from now on.
             self._training_failed = True
         self.modes.add(mode)
@@ -420,6 +423,16 @@ class TargetCode:
         if cache_entry_list is None:
             return -1
         return len(cache_entry_list(self.trampoline))
+
+
+_TRAINING_GUARD = re.compile(r"\.training(?![A-Za-z0-9_])")
+
+
+def _names_training(reason: str) -> bool:
+    """Whether a recompile reason's failed guards test a module's ``training`` flag: its
+    guard expressions, not the source lines Dynamo quotes after them (``# ...``), and
+    ``.training`` as a whole name (not ``.training_frac``)."""
+    return any(_TRAINING_GUARD.search(line.partition("#")[0]) for line in reason.splitlines())
 
 
 _SCALAR_TYPES = (bool, int, float, str, type(None))

@@ -120,6 +120,7 @@ class CompiledTarget:
         self.retry_eagerly = False
         self.changed = False
         self.change_note: str | None = None
+        self.tensor_attribute: str | None = None  # a plain tensor attribute replaced
         self.flips, self.kept = _states.Flips(), _states.Kept()  # flips, known states (H46)
         self.first_call = False
         self.versions = Polled()

@@ -72,6 +72,10 @@ class TargetState(Protocol):
     H34)."""
     change_note: str | None
     """What the first event since the last check was."""
+    tensor_attribute: str | None
+    """Set by an event: a tensor held as a plain module attribute (not a parameter or
+    buffer) was replaced outside compiled code, which ``install_free_tensors`` would
+    keep in the graph (H3); the check switches that lever off for the target."""
     flips: Flips
     """What the flip events keep (``requires_grad``, ``training``, plain attributes): a
     known state may be put back (:mod:`~guardtrain.compile.known_states`, H46)."""

@@ -87,12 +87,30 @@ def _compare(out: Any, ref: Any, rtol: float, atol: float) -> str | None:
     if got_spec != exp_spec:
         return f"output structure differs: {got_spec} vs {exp_spec}"
     for i, (a, b) in enumerate(zip(got, exp)):
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                return f"output {i}: {tuple(a.shape)} {a.dtype} vs eager {tuple(b.shape)} {b.dtype}"
-            if not torch.allclose(a.detach(), b, rtol=rtol, atol=atol, equal_nan=True):
-                diff = (a.detach().double() - b.double()).abs().max().item()
-                return f"output {i}: max abs difference {diff:.3g} (rtol={rtol}, atol={atol})"
-        elif a != b:
-            return f"output {i}: {a!r} vs eager {b!r}"
+        found = _compare_leaf(a, b, rtol, atol)
+        if found is not None:
+            return f"output {i}: {found}"
     return None
+
+
+def _compare_leaf(a: Any, b: Any, rtol: float, atol: float) -> str | None:
+    """Describe how the compiled output leaf ``a`` differs from eager's ``b``, or None. A
+    tensor on one side only is a difference (``!=`` would compare it element-wise)."""
+    tensors = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
+    if tensors == (True, True):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"{tuple(a.shape)} {a.dtype} vs eager {tuple(b.shape)} {b.dtype}"
+        if not torch.allclose(a.detach(), b, rtol=rtol, atol=atol, equal_nan=True):
+            diff = (a.detach().double() - b.double()).abs().max().item()
+            return f"max abs difference {diff:.3g} (rtol={rtol}, atol={atol})"
+        return None
+    if any(tensors):
+        return f"{_kind(a)} vs eager {_kind(b)}"
+    return f"{a!r} vs eager {b!r}" if a != b else None
+
+
+def _kind(leaf: Any) -> str:
+    """A leaf as a mismatch names it: a tensor by shape and dtype, anything else by value."""
+    if isinstance(leaf, torch.Tensor):
+        return f"tensor {tuple(leaf.shape)} {leaf.dtype}"
+    return repr(leaf)

@@ -10,6 +10,13 @@ state is tracked by events, the way ``torch/_dynamo/mutation_guard.py`` does:
   installed: an assignment to a watched module that replaces what it held
   (an attribute, a parameter, a buffer, a submodule, ``training``) marks every
   target that contains the module (:attr:`Watched.changed`);
+* registrations through any public method (``register_buffer``, ``register_parameter``,
+  ``add_module``, ``load_state_dict(assign=True)``, ``parametrize``, ``prune``) reach
+  PyTorch's global registration hooks, which mark the same way (H55); so do
+  ``Module._apply`` (``to``, ``half``, ``double``: every conversion) and
+  ``torch.utils.swap_tensors``, which write tensors past every hook; a tensor held as a
+  plain attribute and replaced outside compiled code is noted on the target
+  (``tensor_attribute``), whose check switches ``install_free_tensors`` off for it;
 * hooks do not go through ``__setattr__``: the ``register_*_hook`` methods of
   ``nn.Module``, the global ``register_module_*_hook`` functions and
   ``RemovableHandle.remove`` are wrapped the same way;
@@ -35,7 +42,8 @@ call. The wrappers are installed when the first target is watched and removed
 when the last one goes, leaving every patched class and function as it was.
 
 What no event sees (docs/design.md, H33, H42): ``object.__setattr__``, writes into a
-module's ``__dict__``, ``_parameters`` or hook dictionaries directly, hooks registered
+module's ``__dict__``, ``_parameters``, ``_buffers`` or hook dictionaries directly,
+``torch.utils.swap_tensors`` called through a reference taken before the run, hooks registered
 through a reference to ``register_module_*_hook`` taken before the run (caught at the
 next audit or loop boundary), and ``requires_grad`` set on a parameter that is not an
 ``nn.Parameter`` (FSDP2's ``DTensor``) or through ``torch.Tensor.requires_grad_(p)``
@@ -53,6 +61,7 @@ from torch import nn
 from torch.utils import hooks as _hooks
 
 from guardtrain._torch import (
+    MODULE_CONVERSION,
     DisableTorchFunction,
     requires_grad_descriptor,
     unspecialized_module_variable,
@@ -82,6 +91,9 @@ class Watched(Protocol):
     change_note: str | None
     flips: Any
     """What the flips keep (:class:`~guardtrain.compile.known_states.Flips`)."""
+    tensor_attribute: str | None
+    """A tensor held as a plain attribute (not a parameter or buffer) of one of its
+    modules was replaced outside compiled code since it was cleared: which one."""
 
 
 # id(module) -> targets that contain it; id(hook dict) -> targets whose module owns it;
@@ -168,15 +180,79 @@ def _setattr(self: nn.Module, name: str, value: Any) -> None:
                 _module_setattr(self, name, value)
                 _trained(self, targets, value)  # a flip: the bits follow the flag
                 return
-            elif name in read_names:
-                if type(old) in _PLAIN and type(value) in _PLAIN:
-                    _module_setattr(self, name, value)
-                    _assigned(self, targets, name, value)  # a flip: its value is kept
-                    return
-                _mark(targets, f"{type(self).__name__}.{name} was assigned")
-            elif isinstance(value, _STATEFUL) or isinstance(old, _STATEFUL):
-                _mark(targets, f"{type(self).__name__}.{name} was assigned")
+            elif name in read_names and type(old) in _PLAIN and type(value) in _PLAIN:
+                _module_setattr(self, name, value)
+                _assigned(self, targets, name, value)  # a flip: its value is kept
+                return
+            elif name in read_names or isinstance(value, _STATEFUL) or isinstance(old, _STATEFUL):
+                note = f"{type(self).__name__}.{name} was assigned"
+                if _plain_tensor(self, name, old, value):
+                    for target in targets:
+                        target.tensor_attribute = note
+                _mark(targets, note)
     _module_setattr(self, name, value)
+
+
+def _plain_tensor(module: nn.Module, name: str, old: Any, value: Any) -> bool:
+    """Whether assigning ``value`` to ``module.name`` replaces a tensor held as a plain
+    attribute (in the module's ``__dict__``, not a parameter or buffer): a forward
+    pre-hook that computes a tensor per call (``torch.nn.utils.prune``'s masked weight).
+    With ``install_free_tensors`` the compiled graph keeps the tensor it read (H3), and
+    no fingerprint lists such a tensor."""
+    if isinstance(value, (nn.Parameter, nn.Buffer, nn.Module)):
+        return False
+    if not isinstance(value, torch.Tensor) and not isinstance(old, torch.Tensor):
+        return False
+    d = module.__dict__
+    return not any(name in d.get(store, ()) for store in ("_parameters", "_buffers", "_modules"))
+
+
+def _registered(module: nn.Module, name: str, value: Any) -> None:
+    """PyTorch's global registration hook for buffers, parameters and submodules
+    (``register_buffer``, ``register_parameter``, ``add_module``/``register_module``, and
+    ``Module.__setattr__``, which routes tensors and modules through them; H55): a
+    registration that replaces what a watched module held marks its targets. Returns
+    None: the registered value stays as given."""
+    if _is_compiling():
+        return None
+    targets = _modules.get(id(module))
+    if targets is not None and _current(module, name) is not value:
+        _mark(targets, f"{type(module).__name__}.{name} was registered anew")
+    return None
+
+
+def _wrap_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Module._apply``, which ``to``, ``half``, ``double``, ``float``, ``cpu``, ``cuda``,
+    ``type`` and ``to_empty`` run: it writes ``_parameters``, ``_buffers`` and ``.data``
+    directly, or swaps tensors, past every registration hook. Each module it visits
+    marks its targets."""
+
+    def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        targets = _modules.get(id(self))
+        if targets is not None and not _is_compiling():
+            _mark(targets, f"{type(self).__name__} was converted (Module.to, half, ...)")
+        return out
+
+    _apply.__wrapped__ = original  # type: ignore[attr-defined]
+    _apply.__doc__ = original.__doc__
+    return _apply
+
+
+def _wrap_swap_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.utils.swap_tensors``: the two tensors keep their Python objects and trade
+    their contents, dtype and shape included; every watched target is marked (a rare
+    call; the check compares each parameter's and buffer's dtype, device and shape)."""
+
+    def swap_tensors(t1: Any, t2: Any) -> Any:
+        out = original(t1, t2)
+        if _targets and not _is_compiling():
+            _mark([t for t, *_ in _targets.values()], "torch.utils.swap_tensors swapped tensors")
+        return out
+
+    swap_tensors.__wrapped__ = original  # type: ignore[attr-defined]
+    swap_tensors.__doc__ = original.__doc__
+    return swap_tensors
 
 
 def _assigned(module: nn.Module, targets: list[Watched], name: str, value: Any) -> None:
@@ -313,6 +389,7 @@ class _Patches:
 
     def __init__(self) -> None:
         self.saved: list[tuple[Any, str, Any, Any]] = []
+        self.handles: list[_hooks.RemovableHandle] = []
 
     def _set(self, owner: Any, name: str, value: Any, add: bool = False) -> None:
         """Replace ``owner.name`` by ``value`` (``add``: also where the class only
@@ -332,6 +409,9 @@ class _Patches:
             if original is not None:
                 self._set(nn.Module, name, _wrap_hook_method(original))
         self._set(_hooks.RemovableHandle, "remove", _remove)
+        conversion = getattr(nn.Module, MODULE_CONVERSION)
+        self._set(nn.Module, MODULE_CONVERSION, _wrap_apply(conversion))
+        self._set(torch.utils, "swap_tensors", _wrap_swap_tensors(torch.utils.swap_tensors))
         # nn.Parameter inherits both from the tensor's C type: added, then deleted (H42).
         self._set(nn.Parameter, "requires_grad_", _parameter_requires_grad_, add=True)
         self._set(nn.Parameter, "requires_grad", _PARAMETER_REQUIRES_GRAD, add=True)
@@ -348,10 +428,20 @@ class _Patches:
                 self._set(modules_package, name, wrapper)
             if getattr(nn.modules, name, None) is original and nn.modules is not modules_package:
                 self._set(nn.modules, name, wrapper)
+        # PyTorch's own registration hooks (public): every registration of a buffer, a
+        # parameter or a submodule, through whatever public method (H55).
+        self.handles = [
+            module_module.register_module_buffer_registration_hook(_registered),
+            module_module.register_module_parameter_registration_hook(_registered),
+            module_module.register_module_module_registration_hook(_registered),
+        ]
 
     def remove(self) -> None:
         """Put back what :meth:`install` replaced; a wrapper that someone else wrapped in
         turn stays (as a pass-through, since nothing is watched any more)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
         for owner, name, original, value in reversed(self.saved):
             if owner.__dict__.get(name) is not value:
                 continue

@@ -11,6 +11,9 @@ a namespace version says that something a target reads may have changed:
 * no entry's kept assertions hold (a new scalar value, another ``training`` flag):
   Dynamo recompiles by itself with full guards: **leave the stance** (under the
   stance; nothing to do outside it);
+* a tensor held as a plain module attribute was replaced (a pruning pre-hook's masked
+  weight, computed outside the compiled call): ``install_free_tensors`` kept the old one
+  in the graph (H3): switch that lever off for the target and **rebuild**;
 * the parameters' ``requires_grad`` moved (H42): **switch** to the code compiled for
   the new pattern, kept from earlier (:mod:`guardtrain.compile.grads`), and check again.
 
@@ -92,6 +95,13 @@ def decide(target: Any, under_stance: bool) -> Found | None:
     """
     if grad_moved(target):
         return Found(Action.SWITCH, Change.REQUIRES_GRAD, grad_change(target))
+    replaced, target.tensor_attribute = target.tensor_attribute, None
+    if replaced is not None and target.code.install_free_tensors:
+        # No fingerprint lists a plain attribute's tensor, and the graph kept the one it
+        # read (H3): without the lever the tensor is a graph input, read at each call.
+        detail = f"{replaced} (a tensor held as a plain attribute)"
+        target.free_tensors_off(f"{detail}: install_free_tensors would keep the old one")
+        return Found(Action.REBUILD, Change.PARAMETERS, detail)
     if target.reference is not None:
         change = fingerprint_change(target.reference, module_fingerprint(target.module))
         if change is not None:

@@ -1,8 +1,8 @@
 """What a checkpoint and the next run of an engine keep of the summary: its counters.
 
 A run restored from a checkpoint, or the next run of the same engine, goes on from the
-counters of :func:`~guardtrain.engine.summary.build`'s dict (compiles, re-arms, steps),
-so that ``summary()`` counts the whole training.
+counters of :func:`~guardtrain.engine.summary.build`'s dict (compiles, re-arms, steps,
+calls with full guards, state swaps), so that ``summary()`` counts the whole training.
 """
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ from typing import Any
 
 __all__ = ["carried", "loaded", "state_dict"]
 
-_CARRIED = ("compiles", "rearms", "warmup_steps_taken", "steady_steps")
+_CARRIED = (
+    "compiles",
+    "rearms",
+    "warmup_steps_taken",
+    "steady_steps",
+    "full_guard_calls",
+    "state_swaps",
+)
 """Counters that a later run, or a restored checkpoint, goes on from."""
 
 
@@ -21,12 +28,15 @@ def state_dict(s: dict[str, Any], train_batches: int) -> dict[str, Any]:
 
 
 def loaded(state: dict[str, Any]) -> dict[str, Any]:
-    """The counters that a run restored from the checkpoint ``state`` goes on from."""
+    """The counters that a run restored from the checkpoint ``state`` goes on from (0 for
+    one that a checkpoint written before it was kept lacks)."""
     return {
         "compiles": int(state.get("compiles", 0)),
         "rearms": list(state.get("rearms", [])),
         "warmup_steps_taken": int(state.get("warmup_steps_taken", 0)),
         "steady_steps": int(state.get("steady_steps", 0)),
+        "full_guard_calls": int(state.get("full_guard_calls", 0)),
+        "state_swaps": int(state.get("state_swaps", 0)),
         "train_batches": int(state.get("train_batches", 0)),
     }
 
@@ -46,5 +56,6 @@ def carried(s: dict[str, Any], train_batches: int) -> dict[str, Any]:
         compiles_by_target=s["compiles_by_target"],
         compiled_again=s["compiled_again"],
         compile_seconds=s["compile_seconds"],
+        graphs=s["graphs"],
     )
     return restored

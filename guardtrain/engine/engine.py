@@ -373,7 +373,7 @@ class GuardEngine:
             if steady is not state.stance_on or check is not None:
                 self._repairs.steady_for_batch(steady, check)
         state.stance_at_start = state.stance_on
-        state.compiles_at_batch = r.monitor.compiles - state.handed_compiles
+        state.compiles_at_batch = r.monitor.compiles - state.unheard_compiles
 
     def batch_end(self, loop: str, backward_follows: bool = False) -> None:
         """Count the batch's compiles; decide entry at decision points.
@@ -385,7 +385,7 @@ class GuardEngine:
         if not state.active:
             return
         m, ch = r.machine, r.checks
-        compiled = r.monitor.compiles - state.handed_compiles != state.compiles_at_batch
+        compiled = r.monitor.compiles - state.unheard_compiles != state.compiles_at_batch
         # What BatchChecks.end_checks ends: called only when one of them runs.
         if ch.checking is not None or ch.audit_batch or ch.verify_batch or r.lookup.window:
             self._batches.end_checks(loop, compiled)

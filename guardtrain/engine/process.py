@@ -19,7 +19,8 @@ piece is put back when the run that changed it ends, also after an exception:
 * **Compiles taken over** from the framework (accelerate's dynamo plugin, H38):
   :meth:`ProcessState.take` records how each is given back, :meth:`ProcessState.give_back`
   gives it back. The Trainer callback holds it from the Trainer's init until its
-  ``release()``, across the Trainer's runs.
+  ``release()``, across the Trainer's runs; one whose owner is garbage-collected without
+  it is given back then.
 * **The runs that hold modules** (:data:`~guardtrain.engine.holders.RUNS`, H45).
 * **Compiled optimizer steps** (``compile_optimizer=True``, H49): each installed as its
   optimizer's instance ``step`` (:meth:`ProcessState.install_step`) and put back when its
@@ -155,7 +156,7 @@ class ProcessState:
         self.runs = runs
         """The runs that hold modules (H45)."""
         self._settings: weakref.WeakSet[DynamoSettings] = weakref.WeakSet()
-        self._taken: weakref.WeakKeyDictionary[Any, tuple[str, Callable[[], None]]] = (
+        self._taken: weakref.WeakKeyDictionary[Any, tuple[str, weakref.finalize[..., Any]]] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -167,14 +168,22 @@ class ProcessState:
 
     def take(self, key: Any, what: str, give_back: Callable[[], None]) -> None:
         """Record a compile taken over from the framework by ``key`` (the adapter's object,
-        held weakly): ``what`` names it, ``give_back`` puts it back (:meth:`give_back`)."""
-        self._taken[key] = (what, give_back)
+        held weakly): ``what`` names it, ``give_back`` puts it back (:meth:`give_back`), at
+        the latest when ``key`` is garbage-collected (an adapter dropped without its
+        ``release()``). ``give_back`` must not hold ``key``, or it would never be collected."""
+        replaced = self._taken.pop(key, None)
+        if replaced is not None:
+            replaced[1].detach()  # a second take by the same key replaces the first
+        done = weakref.finalize(key, give_back)
+        done.atexit = False  # the process ends: nothing is left to put back for
+        self._taken[key] = (what, done)
 
     def give_back(self, key: Any) -> None:
-        """Give back what :meth:`take` recorded for ``key`` (nothing if none)."""
+        """Give back what :meth:`take` recorded for ``key`` (nothing if none, or if it was
+        given back already)."""
         found = self._taken.pop(key, None)
         if found is not None:
-            found[1]()
+            found[1]()  # a finalizer runs once: not again when ``key`` is collected
 
     def install_step(self, step: CompiledStep) -> None:
         """Install a compiled optimizer step as its optimizer's ``step`` (H49)."""

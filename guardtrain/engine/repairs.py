@@ -53,11 +53,18 @@ class Repairs:
         self.run.monitor.record(self.run.train_batches(), target.name, reason, self.label(target))
         if target.handed_over is not None:
             # Dynamo's own recompile, as under plain compile: no phase hears of it (H51).
-            self.run.state.handed_compiles += 1
+            self.run.state.unheard_compiles += 1
 
     def on_step_compile(self, name: str, reason: str | None) -> None:
-        """A compiled optimizer step compiled (H49): counted as the targets' compiles are."""
+        """A compiled optimizer step compiled (H49): counted in the summary as the targets'
+        compiles are, but not as the batch's. The batch's compiles say whether the model's
+        entries still held (an audit's compile re-arms its loop, a warm-up's restarts the
+        stable count); the step never runs under the stance and checks its own state before
+        it runs directly, so its compile says nothing of the model's entries."""
         self.run.monitor.record(self.run.train_batches(), name, reason)
+        # The engine subtracts these from the batch's compiles, as it does the compiles of
+        # targets handed over to full guards: no phase hears of either.
+        self.run.state.unheard_compiles += 1
 
     def on_switch_off(self, target: CompiledTarget, why: str) -> None:
         r = self.run

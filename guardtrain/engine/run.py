@@ -62,9 +62,10 @@ class RunState:
     splits_due: list[tuple[Any, str, Any]] = field(default_factory=list)
     """``(target, why, the change that recurred)``: a default target rebuilt too often, split
     into its parts when the repairs run (H51), not inside its own call where it was caught."""
-    handed_compiles: int = 0
-    """Compiles of targets handed over to full guards (H51): Dynamo's own recompiles,
-    which no phase hears of."""
+    unheard_compiles: int = 0
+    """Compiles that no phase hears of, left out of the batch's compiles: those of targets
+    handed over to full guards (H51, Dynamo's own recompiles) and of compiled optimizer
+    steps (H49), which say nothing of the model's entries."""
     stance_on: bool = False
     """The current batch is steady: each target call runs under the stance, set for that
     call alone (H41), or directly (turbo)."""

@@ -34,6 +34,7 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "compiles_by_target": _added(r.get("compiles_by_target", {}), e.monitor.by_target),
         "compiled_again": _added(r.get("compiled_again", {}), e.ledger.spent),
         "compile_seconds": round(r.get("compile_seconds", 0.0) + e.monitor.run_seconds(), 3),
+        "graphs": r.get("graphs", 0) + e.monitor.run_graphs(),
         "rearms": list(r.get("rearms", []))
         + list(m.rearms if run.all_rearms is None else run.all_rearms),
         "warmup_steps_taken": m.warmup_steps_taken + r.get("warmup_steps_taken", 0),
@@ -59,9 +60,9 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "auto": _auto(e),
         "step": bottom_line(e.steps, lookup, e.levers.direct_dispatch, _counts(e)),
         "caught_changes": _caught(e),
-        "state_swaps": ts.swaps + sum(t.kept.swaps for t in ts.kept),
+        "state_swaps": ts.swaps + sum(t.kept.swaps for t in ts.kept) + r.get("state_swaps", 0),
         "full_guard_targets": [dict(h) for h in e.ledger.handed_over],
-        "full_guard_calls": ts.full_guard_calls + sum(t.full_guard_calls for t in ts.kept),
+        "full_guard_calls": _full_guard_calls(e),
         "decode_calls": _decode(e),
         "checked_batches": e.checks.checked_batches + r.get("checked_batches", 0),
         "checked_calls": e.checks.checked_calls + r.get("checked_calls", 0),
@@ -85,11 +86,21 @@ def _counts(e: Run) -> dict[str, Any]:
     share = BENCH_GUARD_SHARE.get(preset) if e.levers.use_stance else None
     return {
         "direct_calls": _direct(e)["calls"],
-        "full_guard_calls": ts.full_guard_calls + sum(t.full_guard_calls for t in ts.kept),
+        "full_guard_calls": _full_guard_calls(e),
         "generate_calls_served": _decode(e)["served"],
         "guards_per_call": sum(t.code.guard_count for t in ts.kept),
         "bench_guard_share": share,
     }
+
+
+def _full_guard_calls(e: Run) -> int:
+    """The steady state's calls with full guards, the earlier runs' (a checkpoint's) with them."""
+    ts = e.targets
+    return (
+        ts.full_guard_calls
+        + sum(t.full_guard_calls for t in ts.kept)
+        + e.restored.get("full_guard_calls", 0)
+    )
 
 
 def _added(earlier: dict[str, int], now: dict[str, int]) -> dict[str, int]:

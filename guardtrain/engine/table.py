@@ -53,12 +53,15 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def _compiles(s: dict[str, Any]) -> str:
-    """The compiles, per target where there are several, the compiles that guardtrain's
-    rebuilds made again (its margin over plain compile), and torch's compile seconds."""
-    text = str(s["compiles"])
+    """The frame compiles (each a cache entry), per target where there are several,
+    Dynamo's own count of graphs, the compiles that guardtrain's rebuilds made again (its
+    margin over plain compile), and torch's compile seconds."""
+    text = f"{s['compiles']} frames"
     per = s.get("compiles_by_target") or {}
     if len(per) > 1:
         text += " (" + ", ".join(f"{name} {n}" for name, n in per.items()) + ")"
+    if s.get("graphs") is not None:
+        text += f", {s['graphs']} graphs by Dynamo's count (in the whole process)"
     again = sum((s.get("compiled_again") or {}).values())
     if again:
         text += f"; {again} compiled again after changes"
