@@ -34,6 +34,7 @@ lookup on a module-level name, no added call.
 | ``any_autocast``, ``frame_callback``, ``torch_function_modes``, ``top_saved_hooks``, ``hooks_inlineable`` | ``torch._C._is_any_autocast_enabled``, ``torch._C._dynamo.eval_frame.get_eval_frame_callback``, ``torch._C._len_torch_function_stack``, ``torch._C._autograd._top_saved_tensors_default_hooks``, ``torch._functorch._aot_autograd.utils.saved_tensors_hooks_are_inlineable`` | the per-call mode and outside-state checks of direct dispatch (H30, H31) | 2.11-2.15 |
 | ``dispatch_mode_on_stack``, ``any_dispatch_mode`` | ``torch.utils._python_dispatch`` | a dispatch mode makes Dynamo skip a frame (H18) | 2.11-2.15 |
 | ``unspecialized_module_variable`` | ``torch._dynamo.variables.nn_module.UnspecializedNNModuleVariable`` | a module Dynamo traces as a plain object (its attribute reads are guarded by value) | 2.11-2.15 |
+| ``skip_frame`` | ``torch._dynamo.eval_frame.skip_code`` | a hook of guardtrain's called in eager code (a registration hook, a conversion's wrapper) is never compiled as a frame of its own; inlined where Dynamo traces its caller, as before | 2.11-2.15 |
 | ``MODULE_CONVERSION`` | ``torch.nn.Module._apply`` | the method every conversion (``to``, ``half``, ``double``, ``float``, ``type``, ``to_empty``) runs, which writes module tensors past ``__setattr__``: watched (H55) | 2.11-2.15 |
 | ``DynamoException``, ``RecompileLimitHit`` | ``torch._dynamo.exc.TorchDynamoException``, ``FailOnRecompileLimitHit`` | the compiled optimizer step's fallback (H49) | 2.11-2.15 |
 """
@@ -71,6 +72,7 @@ __all__ = [
     "frame_callback",
     "frame_compiles",
     "graph_compiles",
+    "skip_frame",
     "fx_graph_cache_on",
     "graph_break_counts",
     "graph_break_records",
@@ -319,3 +321,14 @@ MODULE_CONVERSION = "_apply"
 """The name of ``nn.Module``'s method that every conversion runs (``to``, ``half``,
 ``double``, ``float``, ``type``, ``to_empty``): it writes ``.data`` and the tensor
 dictionaries directly, past the registration hooks (H55)."""
+
+
+def skip_frame(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, whose code Dynamo never compiles as a frame of its own: called in eager
+    code while Dynamo's frame callback is on (after a graph break), it would be compiled
+    as a frame with no graph and counted as one of the run's compiles. Where Dynamo traces
+    a caller, it is inlined as before. Returns ``function``."""
+    skip = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    if skip is not None:
+        skip(function.__code__)
+    return function

@@ -35,6 +35,7 @@ def _target(module: nn.Module, free: bool = False, **overrides: Any) -> Any:
         under_stance=True,
         last_failed=None,
         grads=None,
+        tensor_attribute=None,
     )
     vars(t).update(overrides)
     return t

@@ -70,17 +70,24 @@ def test_the_ledger_counts_rebuilds_and_what_they_dropped() -> None:
 
 
 def test_checks_over_weighs_the_checks_rows_against_the_guards_skipped() -> None:
-    """Counts only: each target's general checks in a window, times the rows each walks
-    (weighed by CHECK_WEIGHT), against the window's steady batches times the guards a call
-    skips."""
+    """Counts only: each target's general checks in a window, times the fingerprint rows
+    each walks (weighed by CHECK_WEIGHT) and the assertions it evaluates (one guard each),
+    against the window's steady batches times the guards plain compile evaluates for a
+    call."""
     assert checks_over({}, 32, {}) == []
-    rare = (1, 12)  # one check in the window: a change, not a recurring cost
-    every = (32, 12)  # a check before every call
+    rare = (1, 12, 0)  # one check in the window: a change, not a recurring cost
+    every = (32, 12, 0)  # a check before every call
     assert checks_over({"a": rare, "b": every}, 32, {"a": 60, "b": 60}) == ["b"]
     assert checks_over({"a": every}, 32, {"a": 12 * CHECK_WEIGHT}) == []  # as many: not over
     assert checks_over({"a": every}, 32, {"a": 12 * CHECK_WEIGHT - 1}) == ["a"]
-    assert checks_over({"a": (0, 50)}, 32, {}) == []  # no check: nothing to weigh
+    assert checks_over({"a": (32, 0, 60)}, 32, {"a": 60}) == []  # an assertion: one guard
+    assert checks_over({"a": (32, 0, 61)}, 32, {"a": 60}) == ["a"]
+    assert checks_over({"a": (0, 50, 9)}, 32, {}) == []  # no check: nothing to weigh
     assert checks_over({"a": rare}, 32, {}) == ["a"]  # no guard skipped: any check costs
+    # TRL's GRPO (one check in a window of 32 model calls, a tiny Llama: 15 fingerprint
+    # rows, 2235 assertions of its 20 compiles, 663 guards a call under plain compile):
+    # the check costs far less than what the window's calls skipped.
+    assert checks_over({"grpo": (1, 15, 2235)}, 32, {"grpo": 663}) == []
 
 
 def test_only_checks_over_in_two_windows_in_a_row_hand_over() -> None:

@@ -260,3 +260,27 @@ def test_a_conversion_is_seen_before_the_next_call(
     name: str, preset: str, swap_on_conversion: bool
 ) -> None:
     _compare(name, preset)
+
+
+def test_the_registration_hooks_keep_their_keys_across_runs() -> None:
+    """Code that Dynamo traced through a registration guards on the hooks' keys: each run
+    registers them under the keys of the first, and takes them away at its end."""
+    from torch.nn.modules import module as module_module
+
+    from guardtrain.compile import watch
+
+    dicts = (
+        module_module._global_buffer_registration_hooks,
+        module_module._global_parameter_registration_hooks,
+        module_module._global_module_registration_hooks,
+    )
+    keys = []
+    for _ in range(2):
+        model = Scaled()
+        x = torch.randn(4, 8)
+        with guard_tuner(model, "auto", compile_kwargs=AOT) as tuner:
+            with tuner.step((x,)):
+                model(x).sum().backward()
+            keys.append([[k for k, v in d.items() if v is watch._registered] for d in dicts])
+        assert all(watch._registered not in d.values() for d in dicts)
+    assert keys[0] == keys[1] and all(len(k) == 1 for k in keys[0]), keys

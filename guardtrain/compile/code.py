@@ -139,7 +139,11 @@ class TargetCode:
         """The mode of the latest compile of the trampoline's own frame."""
         self.guard_count = 0
         """The most guards an entry of the trampoline kept: what a call with full guards
-        evaluates, and the steady state skips (H51 weighs checks against it)."""
+        evaluates."""
+        self.plain_guard_count = 0
+        """The most guards Dynamo built for an entry of the trampoline, before the filter:
+        what plain compile evaluates for such a call, and a steady call skips (H51 weighs
+        checks against it)."""
         self.closure: tuple[types.CellType, ...] = ()
         self.keep_hooks_guard = False
         """Keep the saved-tensor-hooks guard in every compile: hooks that Dynamo
@@ -252,6 +256,7 @@ class TargetCode:
         self.graph_breaks = False
         self.broken_modes = set()
         self.guard_count = 0
+        self.plain_guard_count = 0
         self.dropped_hooks_guard = False
         self.generation += 1
         for member in self.members:
@@ -321,6 +326,7 @@ class TargetCode:
             recorded.extend(kept_global_assertions(entries, keep))
             self.own_mode = mode
             self.guard_count = max(self.guard_count, sum(keep))
+            self.plain_guard_count = max(self.plain_guard_count, len(keep))
         self.assertions.append(Recorded(recorded))
         _watch.read_names.update(attribute_names(entries))
         for m in self.members:

@@ -64,6 +64,7 @@ from guardtrain._torch import (
     MODULE_CONVERSION,
     DisableTorchFunction,
     requires_grad_descriptor,
+    skip_frame,
     unspecialized_module_variable,
 )
 
@@ -207,6 +208,7 @@ def _plain_tensor(module: nn.Module, name: str, old: Any, value: Any) -> bool:
     return not any(name in d.get(store, ()) for store in ("_parameters", "_buffers", "_modules"))
 
 
+@skip_frame
 def _registered(module: nn.Module, name: str, value: Any) -> None:
     """PyTorch's global registration hook for buffers, parameters and submodules
     (``register_buffer``, ``register_parameter``, ``add_module``/``register_module``, and
@@ -227,6 +229,7 @@ def _wrap_apply(original: Callable[..., Any]) -> Callable[..., Any]:
     directly, or swaps tensors, past every registration hook. Each module it visits
     marks its targets."""
 
+    @skip_frame
     def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         targets = _modules.get(id(self))
@@ -244,6 +247,7 @@ def _wrap_swap_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
     their contents, dtype and shape included; every watched target is marked (a rare
     call; the check compares each parameter's and buffer's dtype, device and shape)."""
 
+    @skip_frame
     def swap_tensors(t1: Any, t2: Any) -> Any:
         out = original(t1, t2)
         if _targets and not _is_compiling():
@@ -430,11 +434,7 @@ class _Patches:
                 self._set(nn.modules, name, wrapper)
         # PyTorch's own registration hooks (public): every registration of a buffer, a
         # parameter or a submodule, through whatever public method (H55).
-        self.handles = [
-            module_module.register_module_buffer_registration_hook(_registered),
-            module_module.register_module_parameter_registration_hook(_registered),
-            module_module.register_module_module_registration_hook(_registered),
-        ]
+        self.handles = _registration_handles()
 
     def remove(self) -> None:
         """Put back what :meth:`install` replaced; a wrapper that someone else wrapped in
@@ -460,6 +460,34 @@ def _prime_dynamo() -> None:
     method_ids = getattr(variable, "_nn_module_method_ids", None)
     if callable(method_ids):
         method_ids()
+
+
+_HANDLES: list[_hooks.RemovableHandle] = []
+"""The registration hooks' handles of the first install, kept for the process."""
+
+
+def _registration_handles() -> list[_hooks.RemovableHandle]:
+    """Register :func:`_registered` as PyTorch's global buffer, parameter and module
+    registration hook, under the keys of the first install in this process: code that
+    Dynamo traced through a registration (``Module.__setattr__`` of a submodule) guards
+    on the hook's key, and a key new at each run would fail those guards at the next
+    run's first call (a rebuild, or a recompile of the user's own compiled code)."""
+    from torch.nn.modules import module as module_module
+
+    if not _HANDLES:
+        _HANDLES.extend(
+            [
+                module_module.register_module_buffer_registration_hook(_registered),
+                module_module.register_module_parameter_registration_hook(_registered),
+                module_module.register_module_module_registration_hook(_registered),
+            ]
+        )
+        return list(_HANDLES)
+    for handle in _HANDLES:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None:
+            hooks[handle.id] = _registered
+    return list(_HANDLES)
 
 
 _patches: _Patches | None = None

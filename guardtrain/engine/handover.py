@@ -25,8 +25,10 @@ decisions read; :func:`rebuild_over` and :func:`checks_over` decide, on plain va
 True
 >>> rebuild_over(rebuilds=1, spent=2, dropping=2)
 'rebuilt once for changes, compiling 2 entries again; one more rebuild and a hand-over would compile 4 more, past the margin of 4 compiles above plain compile'
->>> checks_over({"a": (32, 12), "b": (1, 12)}, steady_batches=32, guards={"a": 60, "b": 60})
+>>> checks_over({"a": (32, 12, 0), "b": (1, 12, 0)}, steady_batches=32, guards={"a": 60, "b": 60})
 ['a']
+>>> checks_over({"a": (1, 15, 2235)}, steady_batches=32, guards={"a": 663})  # one check
+[]
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ hook added, a parameter replaced, a dropped guard's value moved)."""
 CHECK_WINDOW = 32
 """Steady training batches over which the checks' cost is compared with the saving."""
 CHECK_WEIGHT = 20
-"""How many of Dynamo's guards weigh as much as one row of guardtrain's general check
-before a call (a parameter, a hook list or an assertion, walked in Python where Dynamo
-evaluates its guards in C++): the weight of the checks against the guards they save."""
+"""How many of Dynamo's guards weigh as much as one fingerprint row of guardtrain's general
+check before a call (a parameter, a buffer or a hook list, walked in Python where Dynamo
+evaluates its guards in C++). A recorded assertion, evaluated by one generated function
+per entry, weighs as one guard (docs/bench.md, "The checks' weight")."""
 
 
 def rebuild_over(rebuilds: int, spent: int, dropping: int) -> str | None:
@@ -76,17 +79,18 @@ def rebuild_over(rebuilds: int, spent: int, dropping: int) -> str | None:
 
 
 def checks_over(
-    checks: dict[str, tuple[int, int]], steady_batches: int, guards: dict[str, int]
+    checks: dict[str, tuple[int, int, int]], steady_batches: int, guards: dict[str, int]
 ) -> list[str]:
     """The targets whose checks before calls in a window outweigh the guards the steady
-    state skipped there: ``checks[name]`` is ``(general checks, rows each walks)``,
-    ``guards[name]`` the guards a call of that target evaluates with full guards, and
-    each of the window's ``steady_batches`` skipped them at least once. Counts only:
-    the same run gives the same answer on any machine."""
+    state skipped there: ``checks[name]`` is ``(general checks, fingerprint rows each
+    walks, assertions each evaluates)``, ``guards[name]`` the guards plain compile
+    evaluates for a call of that target (before any filter: the baseline is plain
+    compile), and each of the window's ``steady_batches`` skipped them at least once.
+    Counts only: the same run gives the same answer on any machine."""
     return [
         name
-        for name, (n, rows) in checks.items()
-        if n * rows * CHECK_WEIGHT > steady_batches * guards.get(name, 0)
+        for name, (n, rows, assertions) in checks.items()
+        if n * (rows * CHECK_WEIGHT + assertions) > steady_batches * guards.get(name, 0)
     ]
 
 

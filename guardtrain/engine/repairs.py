@@ -272,12 +272,13 @@ class Repairs:
         ledger.window_start = None
         by_name = {self.label(t): t for t in installed}
         checks = {
-            name: (t.general_checks - ledger.checks.get(id(t), t.general_checks), t.check_rows())
+            name: (t.general_checks - ledger.checks.get(id(t), t.general_checks), *t.check_rows())
             for name, t in by_name.items()
         }
-        guards = {name: t.code.guard_count for name, t in by_name.items()}
+        guards = {name: t.code.plain_guard_count for name, t in by_name.items()}
         for name in ledger.over_again(checks_over(checks, steps, guards)):
-            n, rows = checks[name]
+            n, fingerprint, assertions = checks[name]
+            rows = fingerprint + assertions
             self.hand_over(
                 by_name[name],
                 f"its checks before calls ({n} in {steps} steady batches, {rows} rows each) "
