@@ -3,6 +3,7 @@ it cannot tell which frame compiles, and only a module's ``training`` flag count
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -89,13 +90,6 @@ def test_an_attribute_named_training_something_is_not_the_training_flag(preset: 
         model.train()
         return outs
 
-    class _Nothing:
-        def __enter__(self) -> None:
-            return None
-
-        def __exit__(self, *exc: Any) -> None:
-            return None
-
     served: list[tuple[str, int]] = []
     note_mode = code_module.TargetCode._note_mode
 
@@ -106,7 +100,7 @@ def test_an_attribute_named_training_something_is_not_the_training_flag(preset: 
             # that failed: the stance may serve neither.
             served.append((reason.splitlines()[0], len(self.stance_modes)))
 
-    expected = run(eager, lambda batch: _Nothing())
+    expected = run(eager, lambda batch: contextlib.nullcontext())
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(code_module.TargetCode, "_note_mode", spy)
         with guard_tuner(guarded, preset, compile_kwargs=AOT) as tuner:
