@@ -121,11 +121,8 @@ def _autocast_run(tuner: Any, model: nn.Module, steps: int) -> None:
 @pytest.fixture
 def limit_of_one() -> Any:
     """Dynamo's recompile limit at 1 for the test."""
-    cfg = torch._dynamo.config
-    saved = cfg.recompile_limit
-    cfg.recompile_limit = 1
-    yield
-    cfg.recompile_limit = saved
+    with torch._dynamo.config.patch(recompile_limit=1):
+        yield
 
 
 def test_a_checkpoint_keeps_full_guard_calls_and_state_swaps(limit_of_one: Any) -> None:
