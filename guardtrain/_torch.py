@@ -36,6 +36,14 @@ lookup on a module-level name, no added call.
 | ``unspecialized_module_variable`` | ``torch._dynamo.variables.nn_module.UnspecializedNNModuleVariable`` | a module Dynamo traces as a plain object (its attribute reads are guarded by value) | 2.11-2.15 |
 | ``skip_frame`` | ``torch._dynamo.eval_frame.skip_code`` | a hook of guardtrain's called in eager code (a registration hook, a conversion's wrapper) is never compiled as a frame of its own; inlined where Dynamo traces its caller, as before | 2.11-2.15 |
 | ``MODULE_CONVERSION`` | ``torch.nn.Module._apply`` | the method every conversion (``to``, ``half``, ``double``, ``float``, ``type``, ``to_empty``) runs, which writes module tensors past ``__setattr__``: watched (H55) | 2.11-2.15 |
+| ``STANCE``, ``eval_frame_state`` | ``torch._dynamo.eval_frame._stance`` | the stance read and written by a steady call (H41) | 2.11-2.15 |
+| ``PARAMETERS``, ``BUFFERS``, ``MODULES``, ``MODULE_HOOK_DICTS``, ``STATE_DICT_HOOKS``, ``module_store`` | ``nn.Module._parameters``, ``_buffers``, ``_modules``, its hook dictionaries | fingerprints, events and registrations (H33, H34, H55) | 2.11-2.15 |
+| ``GLOBAL_HOOK_DICTS``, ``module_globals`` | ``torch.nn.modules.module._global_*_hooks`` | global module hooks, fingerprinted and watched (H34) | 2.11-2.15 |
+| ``COMPILED_CALL``, ``DYNAMO_ORIGINAL``, ``OPTIMIZED_ORIGINAL`` | ``nn.Module._compiled_call_impl``, ``_torchdynamo_orig_callable``, ``OptimizedModule._orig_mod`` | the user's own compiles, found and taken over | 2.11-2.15 |
+| ``LIGHTNING_COMPILED`` | Lightning's ``LightningModule._compiler_ctx`` | a module compiled with ``from_compiled`` (H9) | Lightning 2.6 |
+| ``DYNAMO_METHOD_IDS`` | ``UnspecializedNNModuleVariable._nn_module_method_ids`` | the methods Dynamo traced on a module it treats as a plain object | 2.11-2.15 |
+| ``optimizer_pre_hooks``, ``optimizer_post_hooks``, ``STEP_PRE_HOOKS``, ``STEP_POST_HOOKS``, ``STEP_PROFILE``, ``STEP_CALLED``, ``LR_SCHEDULER_WRAPPED`` | ``torch.optim.optimizer._global_optimizer_*_hooks``, ``Optimizer._optimizer_step_*_hooks``, ``_optimizer_step_code``, ``_opt_called``, ``_wrapped_by_lr_sched`` | the compiled optimizer step runs the hooks and marks the optimizer as ``Optimizer.step`` does (H49) | 2.11-2.15 |
+| ``accelerate_state_empty`` | accelerate's ``AcceleratorState._shared_state`` | whether accelerate's state was made in this process | accelerate 1.x |
 | ``DynamoException``, ``RecompileLimitHit`` | ``torch._dynamo.exc.TorchDynamoException``, ``FailOnRecompileLimitHit`` | the compiled optimizer step's fallback (H49) | 2.11-2.15 |
 """
 
@@ -50,10 +58,36 @@ import torch._dynamo
 import torch._dynamo.config
 import torch._dynamo.eval_frame
 import torch._dynamo.utils
+from torch.nn.modules import module as _module_module
+from torch.optim import optimizer as _optimizer_module
 from torch.utils import _python_dispatch
 
 __all__ = [
+    "BUFFERS",
+    "COMPILED_CALL",
+    "DYNAMO_METHOD_IDS",
+    "DYNAMO_ORIGINAL",
+    "GLOBAL_HOOK_DICTS",
+    "LIGHTNING_COMPILED",
+    "LR_SCHEDULER_WRAPPED",
+    "MODULES",
     "MODULE_CONVERSION",
+    "MODULE_HOOK_DICTS",
+    "MODULE_STORES",
+    "OPTIMIZED_ORIGINAL",
+    "PARAMETERS",
+    "STANCE",
+    "STATE_DICT_HOOKS",
+    "STEP_CALLED",
+    "STEP_POST_HOOKS",
+    "STEP_PRE_HOOKS",
+    "STEP_PROFILE",
+    "accelerate_state_empty",
+    "eval_frame_state",
+    "module_globals",
+    "module_store",
+    "optimizer_post_hooks",
+    "optimizer_pre_hooks",
     "DisableTorchFunction",
     "DynamoException",
     "GuardFilterEntry",
@@ -332,3 +366,74 @@ def skip_frame(function: Callable[..., Any]) -> Callable[..., Any]:
     if skip is not None:
         skip(function.__code__)
     return function
+
+
+# -- private attributes of torch, Lightning and accelerate objects ---------------------------
+# Read and written through these names alone (tests/test_contract.py walks the package for
+# any other use of such a name).
+
+STANCE = "_stance"
+"""``eval_frame``'s global that holds torch's stance (H11). The per-call path reads and
+writes it as ``eval_frame_state[STANCE]``: one item of the module's dictionary, as cheap as
+the attribute."""
+eval_frame_state: dict[str, Any] = vars(torch._dynamo.eval_frame)
+"""``eval_frame``'s globals, where :data:`STANCE` lives."""
+
+PARAMETERS, BUFFERS, MODULES = "_parameters", "_buffers", "_modules"
+"""An ``nn.Module``'s tensor and submodule dictionaries, in its ``__dict__``."""
+MODULE_STORES = (PARAMETERS, BUFFERS, MODULES)
+MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+"""An ``nn.Module``'s hook dictionaries that a compiled call runs."""
+STATE_DICT_HOOKS = "_state_dict_hooks"
+"""An ``nn.Module``'s ``state_dict`` hooks."""
+GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+"""``torch.nn.modules.module``'s global module-hook dictionaries (H34, H55)."""
+module_globals: dict[str, Any] = vars(_module_module)
+"""``torch.nn.modules.module``'s globals, where :data:`GLOBAL_HOOK_DICTS` live."""
+
+
+def module_store(module: Any, store: str) -> dict[str, Any]:
+    """``module``'s dictionary ``store`` (one of :data:`MODULE_STORES`), ``{}`` if it has none."""
+    found: dict[str, Any] = vars(module).get(store, {})
+    return found
+
+
+COMPILED_CALL = "_compiled_call_impl"
+"""What ``nn.Module.compile()`` sets on the module (None when not compiled)."""
+DYNAMO_ORIGINAL = "_torchdynamo_orig_callable"
+"""What ``torch.compile``'s wrapper of a function or method calls."""
+OPTIMIZED_ORIGINAL = "_orig_mod"
+"""The module an ``OptimizedModule`` wraps (``torch.compile(module)``)."""
+LIGHTNING_COMPILED = "_compiler_ctx"
+"""What Lightning's ``from_compiled`` leaves on a ``LightningModule`` (H9)."""
+DYNAMO_METHOD_IDS = "_nn_module_method_ids"
+"""A Dynamo module variable's ids of the methods it traced (:func:`unspecialized_module_variable`)."""
+
+optimizer_pre_hooks: dict[int, Any] = _optimizer_module._global_optimizer_pre_hooks
+"""The global optimizer-step pre-hooks (``register_optimizer_step_pre_hook``)."""
+optimizer_post_hooks: dict[int, Any] = _optimizer_module._global_optimizer_post_hooks
+"""The global optimizer-step post-hooks."""
+STEP_PRE_HOOKS, STEP_POST_HOOKS = "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"
+"""An optimizer's own step hooks."""
+STEP_PROFILE = "_optimizer_step_code"
+"""The empty method ``Optimizer.step``'s wrapper calls for the profiler."""
+STEP_CALLED = "_opt_called"
+"""Set on an optimizer once its step ran; an LR scheduler warns when it is missing."""
+LR_SCHEDULER_WRAPPED = "_wrapped_by_lr_sched"
+"""Marks a step an LR scheduler need not wrap (it then reads :data:`STEP_CALLED`)."""
+
+
+def accelerate_state_empty(state_class: Any) -> bool:
+    """Whether accelerate's ``AcceleratorState`` was never made in this process (its shared
+    state is empty)."""
+    return not state_class._shared_state

@@ -1,21 +1,16 @@
 """The adapters' constructors, made from one argument list: the fields of ``GuardConfig``.
 
-``GuardTuneCallback.__init__`` and ``GuardTuner.__init__`` are generated here
-from the fields of :class:`~guardtrain.engine.config.GuardConfig`, the way
-:mod:`dataclasses` generates ``__init__``: a real function with named
-parameters, annotations and defaults (``inspect.signature``, LightningCLI and
-``help()`` read it), no ``**kwargs``. :func:`document_arguments` writes the
-fields' docstrings into an adapter's ``Args:`` section, and the Hydra schema
-(``hydra_plugins/guardtrain_searchpath``) reads the same fields with
-:func:`read_fields`.
-
-Type checkers and IDEs cannot read a generated function, so each adapter also
-writes its ``__init__`` under ``if TYPE_CHECKING:``: its own and the positional
-parameters, then ``**arguments: Unpack[GuardArguments]``, where
-:class:`~guardtrain.engine.config.GuardArguments` lists the keyword-only
-arguments with the types they accept. ``tests/test_typed_arguments.py`` checks
-both against the fields and the generated ``__init__``, and runs mypy on a few
-calls.
+Each adapter writes its ``__init__`` once, as type checkers and IDEs read it: its own and
+the positional parameters, then ``**arguments: Unpack[GuardArguments]``, where
+:class:`~guardtrain.engine.config.GuardArguments` lists the keyword-only arguments with
+the types they accept. :class:`AdapterSignature` gives that ``__init__`` the signature
+the fields define (``inspect.signature``, LightningCLI and ``help()`` read it: named
+parameters, annotations and defaults, no ``**kwargs``) and binds each call to it.
+:func:`document_arguments` writes the fields' docstrings into an adapter's ``Args:``
+section, and the Hydra schema (``hydra_plugins/guardtrain_searchpath``) reads the same
+fields with :func:`read_fields`. ``tests/test_typed_arguments.py`` checks
+``GuardArguments`` and each written ``__init__`` against the fields, and runs mypy on a
+few calls.
 
 Standard library only, and nothing from ``guardtrain``: the Hydra plugin loads
 this file by its path, without importing torch.
@@ -29,18 +24,19 @@ import inspect
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "Accepts",
+    "AdapterSignature",
     "FieldSource",
-    "adapter_init",
     "argument_parameters",
     "document_arguments",
     "read_fields",
 ]
 
 _P = inspect.Parameter
+_Init = TypeVar("_Init", bound=Callable[..., None])
 
 
 @dataclass(frozen=True)
@@ -86,50 +82,39 @@ def argument_parameters(config: type, positional: Sequence[str] = ("preset",)) -
     return params
 
 
-def adapter_init(
-    config: type,
-    *,
-    owner: str,
-    module: str,
-    configure: str = "_configure",
-    before: Sequence[_P] = (),
-    keyword: Sequence[_P] = (),
-) -> Callable[..., None]:
-    """Generate ``owner.__init__``: ``before``, the positional config fields, then
-    ``keyword`` and the other fields as keyword-only parameters.
+class AdapterSignature:
+    """An adapter's constructor parameters, made from ``config``'s fields: ``self``,
+    ``before``, the positional config fields, then ``keyword`` and the other fields as
+    keyword-only parameters.
 
-    The body calls ``self.<configure>(<before and keyword by name>,
-    arguments={<field>: <value>, ...})``, where ``arguments`` holds exactly the
-    config fields (``config(**arguments)`` makes the config).
+    The adapter's ``__init__`` is written once, for type checkers
+    (``**arguments: Unpack[GuardArguments]``); :attr:`signature` is set as its
+    ``__signature__``, what ``inspect.signature``, LightningCLI and ``help()`` read, and
+    :meth:`bind` checks a call against it.
     """
-    fields = argument_parameters(config)
-    front = [p for p in fields if p.kind is _P.POSITIONAL_OR_KEYWORD]
-    back = [p for p in fields if p.kind is _P.KEYWORD_ONLY]
-    own = [*before, *keyword]
-    params = [*before, *front, *keyword, *back]
-    inspect.Signature(params)  # raises for a bad order or a duplicate name
-    namespace: dict[str, Any] = {f"_d_{p.name}": p.default for p in params}
-    text = []
-    for p in params:
-        if p.kind is _P.KEYWORD_ONLY and "*" not in text:
-            text.append("*")
-        text.append(p.name if p.default is _P.empty else f"{p.name}=_d_{p.name}")
-    passed = "".join(f"{p.name}={p.name}, " for p in own)
-    values = ", ".join(f"{p.name!r}: {p.name}" for p in fields)
-    source = (
-        f"def __init__(self, {', '.join(text)}):\n"
-        f"    self.{configure}({passed}arguments={{{values}}})\n"
-    )
-    exec(compile(source, f"<{owner}.__init__ from {config.__name__}>", "exec"), namespace)
-    init: Callable[..., None] = namespace["__init__"]
-    init.__qualname__ = f"{owner}.__init__"
-    init.__module__ = module
-    init.__annotations__ = {
-        **{p.name: p.annotation for p in params if p.annotation is not _P.empty},
-        "return": None,
-    }
-    init.__doc__ = f"Validate the arguments (see the class docstring) and make the {owner}."
-    return init
+
+    def __init__(self, config: type, *, before: Sequence[_P] = (), keyword: Sequence[_P] = ()):
+        fields = argument_parameters(config)
+        front = [p for p in fields if p.kind is _P.POSITIONAL_OR_KEYWORD]
+        back = [p for p in fields if p.kind is _P.KEYWORD_ONLY]
+        params = [_P("self", _P.POSITIONAL_OR_KEYWORD), *before, *front, *keyword, *back]
+        self.signature = inspect.Signature(params, return_annotation=None)
+        """Raises at import for a bad order or a duplicate name."""
+        self.fields = tuple(p.name for p in fields)
+        """The parameters that are ``config``'s fields."""
+
+    def bind(self, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(every parameter, the config's fields)`` of a call, defaults applied; the
+        ``TypeError`` Python raises for an unknown or missing argument."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        return values, {name: values[name] for name in self.fields}
+
+    def __call__(self, init: _Init) -> _Init:
+        """Decorate the adapter's ``__init__``: its ``__signature__`` is :attr:`signature`."""
+        init.__signature__ = self.signature  # type: ignore[attr-defined]
+        return init
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import Any, Unpack
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
@@ -10,7 +10,8 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from guardtrain.arguments import adapter_init, argument_parameters, document_arguments
+from guardtrain._torch import LIGHTNING_COMPILED
+from guardtrain.arguments import AdapterSignature, argument_parameters, document_arguments
 from guardtrain.engine.agreement import ReduceAgreement
 from guardtrain.engine.config import DISABLE_ENV, GuardArguments, GuardConfig
 from guardtrain.engine.engine import GuardEngine
@@ -23,6 +24,7 @@ from guardtrain.view import EngineView
 __all__ = ["DISABLE_ENV", "GuardTuneCallback"]
 
 _TRAIN, _VALIDATE, _TEST, _PREDICT = (loop.value for loop in Loop)
+_SIGNATURE = AdapterSignature(GuardConfig)
 
 
 class GuardTuneCallback(EngineView, Callback):
@@ -66,18 +68,10 @@ class GuardTuneCallback(EngineView, Callback):
         trainer.fit(model, datamodule=dm)  # model: a plain, uncompiled LightningModule
     """
 
-    if TYPE_CHECKING:  # what checkers read; the generated one has the same parameters
-
-        def __init__(
-            self, preset: PresetName = "auto", **arguments: Unpack[GuardArguments]
-        ) -> None: ...
-
-    else:
-        __init__ = adapter_init(GuardConfig, owner="GuardTuneCallback", module=__name__)
-
-    def _configure(self, *, arguments: dict[str, Any]) -> None:
-        """The generated ``__init__``'s body: ``arguments`` are the config's fields."""
-        self.config: GuardConfig = GuardConfig(**arguments)
+    @_SIGNATURE
+    def __init__(self, preset: PresetName = "auto", **arguments: Unpack[GuardArguments]) -> None:
+        _, fields = _SIGNATURE.bind(self, preset, **arguments)
+        self.config: GuardConfig = GuardConfig(**fields)
         self._engine = GuardEngine(self.config, self._host(None))
 
     # -- public ------------------------------------------------------------------------------
@@ -138,7 +132,7 @@ class GuardTuneCallback(EngineView, Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if getattr(pl_module, "_compiler_ctx", None) is not None and not self.disabled:
+        if getattr(pl_module, LIGHTNING_COMPILED, None) is not None and not self.disabled:
             raise GuardTrainValueError(
                 "The model passed to the Trainer was compiled with torch.compile already. "
                 "Pass the plain LightningModule: GuardTuneCallback compiles it."

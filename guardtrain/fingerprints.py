@@ -12,6 +12,15 @@ from typing import Any
 
 from torch import nn
 
+from guardtrain._torch import (
+    BUFFERS,
+    GLOBAL_HOOK_DICTS,
+    MODULE_HOOK_DICTS,
+    PARAMETERS,
+    STATE_DICT_HOOKS,
+    module_globals,
+)
+
 __all__ = ["ModuleChange", "fingerprint_change", "module_fingerprint"]
 
 ROOT = "<root>"
@@ -40,19 +49,7 @@ class ModuleChange:
         return self.detail
 
 
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_hooks",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_state_dict_hooks",
-)
-_GLOBAL_HOOKS = (
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_backward_hooks",
-)
+_HOOK_DICTS = (*MODULE_HOOK_DICTS, STATE_DICT_HOOKS)
 
 
 def module_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
@@ -76,17 +73,12 @@ def module_fingerprint(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
     seen_buffers: set[int] = set()
     for prefix, sub in module.named_modules():
         dot = prefix + "." if prefix else ""
-        if sub._parameters:
-            _tensor_rows(params, seen_params, "parameter", dot, sub._parameters)
-        if sub._buffers:
-            _tensor_rows(buffers, seen_buffers, "buffer", dot, sub._buffers)
-        if (
-            sub._forward_pre_hooks
-            or sub._forward_hooks
-            or sub._backward_pre_hooks
-            or sub._backward_hooks
-            or sub._state_dict_hooks
-        ):
+        d = sub.__dict__
+        if d[PARAMETERS]:
+            _tensor_rows(params, seen_params, "parameter", dot, d[PARAMETERS])
+        if d[BUFFERS]:
+            _tensor_rows(buffers, seen_buffers, "buffer", dot, d[BUFFERS])
+        if any(map(d.get, _HOOK_DICTS)):
             hooks.append(_hook_row(prefix, sub))
     rows = params + buffers + hooks
     global_hooks = _global_hooks()
@@ -120,10 +112,8 @@ def _hook_row(prefix: str, sub: nn.Module) -> tuple[Any, ...]:
 
 def _global_hooks() -> tuple[tuple[int, ...], ...]:
     """The ids of the global module hooks (``register_module_forward_hook`` and others)."""
-    from torch.nn.modules import module as module_module
-
     return tuple(
-        tuple(id(h) for h in getattr(module_module, attr, {}).values()) for attr in _GLOBAL_HOOKS
+        tuple(id(h) for h in module_globals.get(attr, {}).values()) for attr in GLOBAL_HOOK_DICTS
     )
 
 

@@ -73,8 +73,9 @@ from __future__ import annotations
 
 import copy
 import sys
+import threading
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import Any, Unpack
 
 import torch
 from torch import nn
@@ -82,7 +83,7 @@ from torch.compiler import is_compiling
 from transformers import TrainerCallback
 
 from guardtrain import hf_accelerate as hfa
-from guardtrain.arguments import adapter_init, document_arguments
+from guardtrain.arguments import AdapterSignature, document_arguments
 from guardtrain.engine.config import GuardArguments, GuardConfig
 from guardtrain.engine.engine import GuardEngine
 from guardtrain.engine.host import Host
@@ -98,6 +99,7 @@ regional_targets = hfa.regional_targets
 
 _TRAIN, _VALIDATE = Loop.TRAIN.value, Loop.VALIDATE.value
 _OWNER = "GuardTrainerCallback"
+_SIGNATURE = AdapterSignature(GuardConfig)
 
 
 class GuardTrainerCallback(EngineView, TrainerCallback):
@@ -140,19 +142,11 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         trainer.train()
     """
 
-    if TYPE_CHECKING:  # what checkers read; the generated one has the same parameters
-
-        def __init__(
-            self, preset: PresetName = "auto", **arguments: Unpack[GuardArguments]
-        ) -> None: ...
-
-    else:
-        __init__ = adapter_init(GuardConfig, owner="GuardTrainerCallback", module=__name__)
-
-    def _configure(self, *, arguments: dict[str, Any]) -> None:
-        """The generated ``__init__``'s body: ``arguments`` are the config's fields."""
-        self.config: GuardConfig = GuardConfig(**arguments)
-        self._explicit_compile = set(arguments["compile_kwargs"] or {})
+    @_SIGNATURE
+    def __init__(self, preset: PresetName = "auto", **arguments: Unpack[GuardArguments]) -> None:
+        _, fields = _SIGNATURE.bind(self, preset, **arguments)
+        self.config: GuardConfig = GuardConfig(**fields)
+        self._explicit_compile = set(fields["compile_kwargs"] or {})
         self._engine = GuardEngine(self.config, Host(owner=_OWNER))
         self._root: nn.Module | None = None
         self._handles: list[Any] = []
@@ -328,7 +322,8 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
         rank = int(getattr(args, "process_index", 0) or 0)
         taken = self._plugins.taken
         engine.host = hfa.make_host(world, rank, _OWNER)
-        engine.host.live = lambda: hfa.trainer_running(self)
+        thread = threading.get_ident()
+        engine.host.live = lambda: hfa.trainer_running(self, thread)
         engine.host.on_release = self._released
         engine.setup(
             world_size=world,

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import sys
+import threading
 import types
 import warnings
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from guardtrain._torch import accelerate_state_empty
 from guardtrain.compile import check_compile_kwargs
 from guardtrain.engine.agreement import ReduceAgreement, SingleProcess
 from guardtrain.engine.host import Host
@@ -82,7 +84,7 @@ def accelerate_state() -> Any:
         from accelerate.state import AcceleratorState
     except ImportError:  # pragma: no cover - transformers needs accelerate for the Trainer
         return None
-    if not AcceleratorState._shared_state:
+    if accelerate_state_empty(AcceleratorState):
         return None
     return AcceleratorState()
 
@@ -301,14 +303,16 @@ def calling_trainer(callback: Any, frame: types.FrameType | None) -> Any:
     return _trainer_on_stack(callback, frame, _EVAL_FUNCTIONS, _FRAMES)
 
 
-def trainer_running(callback: Any) -> bool:
-    """Whether a ``Trainer`` holding ``callback`` is inside its ``train``, ``evaluate`` or
-    ``predict`` now, in any thread: a frame of one is on a stack (an HF run's liveness,
-    H45)."""
-    return any(
-        _trainer_on_stack(callback, top, _RUN_FUNCTIONS, None) is not None
-        for top in sys._current_frames().values()
-    )
+def trainer_running(callback: Any, thread: int) -> bool:
+    """Whether the ``Trainer`` holding ``callback``, whose run began in thread ``thread``, is
+    still inside its ``train``, ``evaluate`` or ``predict`` (an HF run's liveness, H45).
+
+    In this thread: a frame of one is on this thread's stack. A run begun in another thread
+    counts as live while that thread lives (no other thread's frames are read).
+    """
+    if thread != threading.get_ident():
+        return any(t.ident == thread for t in threading.enumerate())
+    return _trainer_on_stack(callback, sys._getframe(1), _RUN_FUNCTIONS, None) is not None
 
 
 def make_host(world: int, rank: int, owner: str) -> Host:

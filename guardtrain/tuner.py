@@ -26,11 +26,11 @@ import inspect
 import logging
 import warnings
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import Any, Unpack
 
 from torch import nn
 
-from guardtrain.arguments import adapter_init, document_arguments
+from guardtrain.arguments import AdapterSignature, document_arguments
 from guardtrain.engine.agreement import RankAgreement, ReduceAgreement, TorchDistributed
 from guardtrain.engine.config import GuardArguments, GuardConfig
 from guardtrain.engine.engine import GuardEngine
@@ -45,7 +45,15 @@ __all__ = ["GuardTuner"]
 _TRAIN = Loop.TRAIN.value
 
 log = logging.getLogger("guardtrain")
-_POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
+_P = inspect.Parameter
+_SIGNATURE = AdapterSignature(
+    GuardConfig,
+    before=[_P("model", _P.POSITIONAL_OR_KEYWORD, annotation=nn.Module)],
+    keyword=[
+        _P("fabric", _P.KEYWORD_ONLY, default=None, annotation=Any),
+        _P("optimizers", _P.KEYWORD_ONLY, default=None, annotation=Any),
+    ],
+)
 
 
 class _Step:
@@ -186,43 +194,24 @@ class GuardTuner(EngineView):
                     opt.zero_grad()
     """
 
-    if TYPE_CHECKING:  # what checkers read; the generated one has the same parameters
-
-        def __init__(
-            self,
-            model: nn.Module,
-            preset: PresetName = "auto",
-            *,
-            fabric: Any = None,
-            optimizers: Any = None,
-            **arguments: Unpack[GuardArguments],
-        ) -> None: ...
-
-    else:
-        __init__ = adapter_init(
-            GuardConfig,
-            owner="GuardTuner",
-            module=__name__,
-            before=[inspect.Parameter("model", _POSITIONAL, annotation=nn.Module)],
-            keyword=[
-                inspect.Parameter(
-                    "fabric", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Any
-                ),
-                inspect.Parameter(
-                    "optimizers", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Any
-                ),
-            ],
-        )
-
-    def _configure(
-        self, model: nn.Module, fabric: Any, optimizers: Any, *, arguments: dict[str, Any]
+    @_SIGNATURE
+    def __init__(
+        self,
+        model: nn.Module,
+        preset: PresetName = "auto",
+        *,
+        fabric: Any = None,
+        optimizers: Any = None,
+        **arguments: Unpack[GuardArguments],
     ) -> None:
-        """The generated ``__init__``'s body: ``arguments`` are the config's fields."""
+        _, fields = _SIGNATURE.bind(
+            self, model, preset, fabric=fabric, optimizers=optimizers, **arguments
+        )
         if not isinstance(model, nn.Module):
             raise GuardTrainValueError(
                 f"`model` must be an nn.Module, got {model!r} ({type(model).__name__})."
             )
-        self.config: GuardConfig = GuardConfig(**arguments)
+        self.config: GuardConfig = GuardConfig(**fields)
         self.optimizers = _optimizers(optimizers, self.config.compile_optimizer)
         self.model = model
         self.fabric = fabric

@@ -103,7 +103,7 @@ class Timer(TrainerCallback):
 
 def audit_parts(engine: Any, calls: int) -> dict[str, float]:
     """µs of one audit's boundary re-check of every target, and of its parts summed over
-    the targets: the assertions (generated checks, and one by one for comparison) and the
+    the targets: the assertions (grouped checks, and one by one for comparison) and the
     module fingerprints. Side by side in this process, medians of 7."""
     targets = engine.targets.installed
 
@@ -120,12 +120,12 @@ def audit_parts(engine: Any, calls: int) -> dict[str, float]:
         "assertions_us": per_call(assertions, calls),
         "fingerprints_us": per_call(fingerprints, calls),
     }
-    generated = _assertions._all_hold
+    grouped = _assertions._all_hold
     _assertions._all_hold = lambda entries, scope, globals_too: False  # type: ignore[assignment]
     try:
         parts["assertions_one_by_one_us"] = per_call(assertions, calls)
     finally:
-        _assertions._all_hold = generated
+        _assertions._all_hold = grouped
     return parts
 
 

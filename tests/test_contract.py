@@ -146,3 +146,104 @@ def test_private_torch_names_are_reached_through_one_module() -> None:
     assert not found, "\n".join(found)
     door = (ROOT / DOOR).read_text(encoding="utf-8")
     assert "| entry | private source | what for | checked on |" in door
+
+
+def _private_names() -> set[str]:
+    """The private attribute names (``_x``, not ``__x__``) of the torch, Lightning and
+    accelerate objects guardtrain touches: modules, tensors, parameters, optimizers, LR
+    schedulers, hook handles, Dynamo's eval-frame and module-hook globals, the Trainer,
+    the LightningModule, accelerate's state."""
+    from collections import OrderedDict
+
+    import torch
+    import torch.nn.modules.module as module_module
+    from torch import nn
+    from torch.optim import optimizer as optimizer_module
+    from torch.utils.hooks import RemovableHandle
+
+    from guardtrain._torch import eval_frame
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    optimizer.step()  # its first step marks the optimizer
+    objects: list[object] = [
+        nn.Module(),
+        nn.Linear(1, 1),
+        nn.Module,
+        torch.Tensor,
+        nn.Parameter(torch.ones(1)),
+        optimizer,
+        torch.optim.Optimizer,
+        scheduler,
+        torch.compile(nn.Linear(1, 1)),  # an OptimizedModule (nothing is compiled)
+        RemovableHandle(OrderedDict()),
+        module_module,
+        optimizer_module,
+        eval_frame,
+    ]
+    try:
+        import lightning.pytorch as pl
+
+        objects += [pl.LightningModule(), pl.LightningModule, pl.Trainer]
+    except ImportError:  # pragma: no cover - a dev dependency
+        pass
+    try:
+        from accelerate.state import AcceleratorState, PartialState
+
+        objects += [AcceleratorState, PartialState]
+    except ImportError:  # pragma: no cover - a dev dependency
+        pass
+    names: set[str] = set()
+    for obj in objects:
+        for name in (*vars(obj), *dir(obj)):
+            if name.startswith("_") and not name.startswith("__"):
+                names.add(name)
+    return names
+
+
+def _private_uses(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """``(line, text)`` for each attribute named like one of ``names`` and each string that
+    is one of them (``getattr(m, "_buffers")``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+            found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
+            "torch",
+            "lightning",
+            "accelerate",
+            "transformers",
+        ):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def test_private_attributes_are_reached_through_one_module() -> None:
+    """Outside the door (the bench too), no file of the package reads, writes or names a
+    private attribute of a torch, Lightning or accelerate object, nor imports a private
+    name from them: each is a name in ``guardtrain/_torch.py``'s table."""
+    names = _private_names()
+    assert {"_parameters", "_stance", "_orig_mod", "_compiler_ctx", "_opt_called"} <= names
+    found = []
+    for path in sorted((ROOT / "guardtrain").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        if name == DOOR:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += [f"{name}:{line}: {text}" for line, text in _private_uses(tree, names)]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_walk_sees_a_reach() -> None:
+    code = ast.parse(
+        "m._buffers\ngetattr(m, '_compiled_call_impl')\nfrom torch.optim.optimizer import "
+        "_global_optimizer_pre_hooks\nself._mine\n"
+    )
+    names = _private_names()
+    assert sorted(text for _, text in _private_uses(code, names)) == [
+        "'_compiled_call_impl'",
+        "_global_optimizer_pre_hooks",
+        "m._buffers",
+    ]

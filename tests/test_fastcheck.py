@@ -11,7 +11,7 @@ from torch import nn
 
 from guardtrain.compile import CompiledTarget
 from guardtrain.compile.assertions import Assertion, Recorded, check
-from guardtrain.compile.fastcheck import EntryChecks, _Reads, entry_checks
+from guardtrain.compile.fastcheck import EntryChecks, _Plan, entry_checks
 from guardtrain.filters import skip_rechecked
 
 SETTINGS = {"scale": 2.0}
@@ -180,15 +180,20 @@ def test_a_name_missing_from_the_scope_fails_as_evaluating_it_does() -> None:
 
 
 def test_reads_are_shared_and_odd_sources_kept() -> None:
-    reads = _Reads()
-    first = reads.source("m._modules['a']._modules['b'].x")
-    second = reads.source("m._modules['a']._modules['c'].y")
-    assert first.endswith(".x") and second.endswith(".y")
-    assert reads.lines[:3] == ["_r0 = m._modules", "_r1 = _r0['a']", "_r2 = _r1._modules"]
-    assert len(reads.lines) == 5  # ['b'] and ['c'] apart, the rest shared
-    assert reads.source("len(m.x)") == "len(m.x)"  # not a chain of reads
-    assert reads.source("m.x") == "m.x"  # one step: nothing to share
-    assert reads.source("m._modules['a.b'][0]").startswith("_r")  # a dot inside a key
+    plan = _Plan()
+
+    def typed(name: str) -> Assertion:
+        return Assertion(name, "type", int, False, compile(name, "<test>", "eval"))
+
+    assert plan.add(typed("bound._modules['a']._modules['b'].x"))
+    assert plan.add(typed("bound._modules['a']._modules['c'].y"))
+    roots, levels, _ = plan._freeze()
+    assert roots == ("bound",)
+    # ._modules, ['a'], ._modules shared; ['b'] and ['c'] apart, then .x and .y
+    assert [len(getters) for getters, _ in levels] == [1, 1, 1, 2, 2]
+    assert not plan.add(typed("len(bound.x)"))  # not a chain of reads: evaluated as it is
+    assert not plan.add(typed("other.x"))  # not a name of the scope
+    assert plan.add(typed("bound._modules['a.b'][0]"))  # a dot inside a key
 
 
 def test_recorded_entries_copy_without_their_checks() -> None:

@@ -1,10 +1,10 @@
 """The adapters' signatures as type checkers read them, checked against ``GuardConfig``.
 
-The adapters' ``__init__`` is generated from ``GuardConfig``'s fields
-(``guardtrain.arguments``); mypy, pyright and IDEs read the ``__init__`` written
-under ``TYPE_CHECKING`` instead: the positional and the adapter's own parameters,
-then ``**arguments: Unpack[GuardArguments]``. These tests keep the two equal, and
-run mypy once on a few calls to see that it reads them.
+Each adapter writes its ``__init__`` once, as mypy, pyright and IDEs read it: the
+positional and the adapter's own parameters, then ``**arguments: Unpack[GuardArguments]``;
+its ``__signature__`` (what ``inspect.signature``, LightningCLI and ``help()`` read) is made
+from ``GuardConfig``'s fields (``guardtrain.arguments``). These tests keep the two equal,
+and run mypy once on a few calls to see that it reads them.
 """
 
 from __future__ import annotations
@@ -70,17 +70,13 @@ def _adapter(module_name: str, name: str) -> tuple[Any, type]:
 
 
 def _checker_init(module: Any, name: str) -> ast.FunctionDef:
-    """The ``__init__`` under ``if TYPE_CHECKING:`` in class ``name``; its ``else`` makes the
-    generated one."""
+    """Class ``name``'s ``__init__`` as written (what checkers read), decorated with the
+    signature made from the fields (what ``inspect.signature`` reads)."""
     tree = ast.parse(inspect.getsource(module))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
-    branch = next(
-        n
-        for n in cls.body
-        if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"
-    )
-    assert "adapter_init" in ast.unparse(branch.orelse), name
-    return next(n for n in branch.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert [ast.unparse(d) for d in init.decorator_list] == ["_SIGNATURE"], name
+    return init
 
 
 def _parameters(init: ast.FunctionDef, namespace: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -100,8 +96,8 @@ def _parameters(init: ast.FunctionDef, namespace: dict[str, Any]) -> list[tuple[
 
 
 @pytest.mark.parametrize(("module_name", "name"), ADAPTERS)
-def test_checker_signature_is_the_generated_one(module_name: str, name: str) -> None:
-    """The checker's ``__init__``: the generated one's parameters that are no keyword of
+def test_written_init_is_the_signature(module_name: str, name: str) -> None:
+    """The written ``__init__``: the signature's parameters that are no keyword of
     ``GuardArguments`` (``preset``, and ``model`` and ``fabric`` for ``GuardTuner``),
     same names, kinds, defaults and annotations, then ``**arguments: Unpack[GuardArguments]``."""
     module, adapter = _adapter(module_name, name)
@@ -110,10 +106,10 @@ def test_checker_signature_is_the_generated_one(module_name: str, name: str) -> 
     assert ast.unparse(init.args.kwarg.annotation) == "Unpack[GuardArguments]", name
 
     keywords = set(GuardArguments.__annotations__)
-    generated = inspect.signature(adapter.__init__).parameters.values()
-    own = [(p.name, p.kind, p.default, p.annotation) for p in generated if p.name not in keywords]
+    signature = inspect.signature(adapter.__init__).parameters.values()
+    own = [(p.name, p.kind, p.default, p.annotation) for p in signature if p.name not in keywords]
     assert _parameters(init, vars(module)) == own, name
-    rest = {p.name for p in generated if p.name in keywords and p.kind is _P.KEYWORD_ONLY}
+    rest = {p.name for p in signature if p.name in keywords and p.kind is _P.KEYWORD_ONLY}
     assert rest == keywords, name
 
 

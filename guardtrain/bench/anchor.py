@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from guardtrain._torch import COMPILED_CALL
 from guardtrain.bench.runner import Runner
 from guardtrain.compile import resolve_targets
 from guardtrain.compile.code import structure_key
@@ -162,7 +163,7 @@ class AotRunner(Runner):
             self.call = self.whole[grad]
             return
         for module, fn in self.installed[grad]:
-            module._compiled_call_impl = fn
+            setattr(module, COMPILED_CALL, fn)
 
     def forward_no_grad(self) -> Any:
         if self.kind is not False:
@@ -206,6 +207,6 @@ class AotRunner(Runner):
     def close(self) -> None:
         if self.model.targets != [""]:
             for module, _ in self.installed.get(False, []):
-                module._compiled_call_impl = None
+                setattr(module, COMPILED_CALL, None)
         self.installed = {}
         super().close()

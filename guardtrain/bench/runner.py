@@ -187,10 +187,10 @@ class Runner:
 
     def _on_miss(self, target: CompiledTarget, miss: Miss) -> bool:
         self.misses.append(f"{target.name or '<root>'}: {miss.text}")
-        self._set_stance(False)
+        self._switch_stance(False)
         return not target.graph_breaks
 
-    def _set_stance(self, on: bool) -> None:
+    def _switch_stance(self, on: bool) -> None:
         """The steady state on or off for this configuration's targets (each steady call
         sets the stance around its own compiled call, H41)."""
         if on == self.stance_on:
@@ -206,10 +206,10 @@ class Runner:
         try:
             self.dynamo.begin(self.config_values)
             if self.steady:
-                self._set_stance(True)
+                self._switch_stance(True)
             yield
         finally:
-            self._set_stance(False)
+            self._switch_stance(False)
             self.dynamo.restore()
             done = _frames() - before
             self.compiles += done

@@ -17,8 +17,8 @@ Rooms (each file's first docstring line says what it is for):
 * ``grads``: the parameters' ``requires_grad`` pattern, and code per pattern and
   autocast state (H42, H44);
 * ``assertions``: what a compile's guards asserted, recorded and re-checked;
-* ``fastcheck``: each entry's assertions checked by one generated function per group
-  (``EntryChecks``), the per-assertion check only when one fails;
+* ``fastcheck``: each entry's assertions checked together per group, in one walk of their
+  sources (``EntryChecks``), the per-assertion check only when one fails;
 * ``code``: compiled code for one target or a group of identical blocks
   (``TargetCode``, ``structure_key``, ``share_groups``);
 * ``miss``: why a call leaves the stance (``Miss``, ``MissReason``);

@@ -111,7 +111,7 @@ class Assertion:
 
 class Recorded(tuple):  # type: ignore[type-arg]
     """What one compile's guards asserted (a tuple of :class:`Assertion`), with room for
-    its generated checks (:func:`~guardtrain.compile.fastcheck.entry_checks`)."""
+    its grouped checks (:func:`~guardtrain.compile.fastcheck.entry_checks`)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Recorded, (tuple(self),))  # a copy or pickle leaves the checks behind
@@ -458,7 +458,7 @@ def _one_by_one(
 def _all_hold(
     entries: list[tuple[Assertion, ...]], scope: dict[str, Any], globals_too: bool
 ) -> bool:
-    """Whether :func:`check` finds nothing, asked of each entry's generated checks
+    """Whether :func:`check` finds nothing, asked of each entry's grouped checks
     (:mod:`~guardtrain.compile.fastcheck`): some entry's kept assertions hold, and so do
     the dropped ones of each such entry and the dropped ones on globals of every entry.
     False sends :func:`check` to the assertions one by one, to name what changed."""

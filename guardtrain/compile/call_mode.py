@@ -14,18 +14,19 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from guardtrain._torch import any_autocast as _any_autocast
 from guardtrain._torch import (
+    STANCE,
     any_dispatch_mode,
     callback_handler,
     dispatch_mode_on_stack,
     dynamo_config,
-    eval_frame,
+    eval_frame_state,
     frame_callback,
     has_saved_hooks_check,
     hooks_inlineable,
     torch_function_modes,
 )
+from guardtrain._torch import any_autocast as _any_autocast
 from guardtrain._torch import top_saved_hooks as _top_saved_hooks
 from guardtrain.compile.caches import class_dicts, versions
 
@@ -254,7 +255,7 @@ def structure(key: tuple[Any, ...]) -> tuple[Any, ...]:
 
 # -- what a frame's guards check about the world outside its arguments ------------------------
 
-_eval_frame = eval_frame
+_frame_state = eval_frame_state
 _frame_callback: Callable[[], Any] = frame_callback
 _function_modes: Callable[[], int] = torch_function_modes
 top_saved_hooks: Callable[[bool], Any] = _top_saved_hooks
@@ -285,7 +286,7 @@ def outside_state_clear(plain: Any) -> bool:
     backend, not a stance the user set since): a harvested entry then runs what Dynamo
     would run."""
     return (
-        _eval_frame._stance is plain
+        _frame_state[STANCE] is plain
         and _frame_callback() is None
         and not _function_modes()
         and top_saved_hooks(True) is None

@@ -1,11 +1,12 @@
-"""The assertions of one compiled entry, re-checked by one generated function per group.
+"""The assertions of one compiled entry, re-checked together, group by group.
 
 :func:`guardtrain.compile.assertions.check` evaluates each :class:`Assertion` on its
 own, to name the one that failed. Audits re-check every entry of every target, and
 a large model records hundreds of assertions per entry, so the common answer
-("everything still holds") is first asked of :class:`EntryChecks`: a function per
-group of an entry's assertions (kept, dropped, dropped on globals) that evaluates
-them all in one frame, as Dynamo compiles its guards into one function. A group
+("everything still holds") is first asked of :class:`EntryChecks`: per group of an
+entry's assertions (kept, dropped, dropped on globals), one walk of a tree of their
+sources, each object on the way read once (as Dynamo's guard manager shares its
+accessors), by ``operator`` getters rather than by evaluating each source. A group
 that does not hold, or raises, sends the caller back to the per-assertion check,
 which finds and names the change; so this only ever answers "all hold" when every
 assertion's :meth:`Assertion.holds` would.
@@ -13,8 +14,8 @@ assertion's :meth:`Assertion.holds` would.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
+import operator
 import re
 from typing import Any, Callable, Iterable
 
@@ -27,7 +28,7 @@ _SCOPE_NAMES = (CLOSURE_NAME, SHARED_NAME, "G")
 
 
 class EntryChecks:
-    """One entry's assertions, grouped, each group checked by one generated function of the
+    """One entry's assertions, grouped, each group checked by one function of the
     target's scope (``checks.kept(target.scope())``)."""
 
     __slots__ = ("dropped", "dropped_globals", "dropped_locals", "kept")
@@ -57,74 +58,124 @@ def entry_checks(entry: Any) -> EntryChecks:
 def _all_hold(assertions: list[Any]) -> Callable[[dict[str, Any]], bool]:
     """A function of the scope (what the sources read) that is True when every assertion holds.
 
-    Each term is the comparison :meth:`Assertion.holds` makes. The objects that the
-    sources read on the way (``bound.__self__._modules['h']``) are read once each,
-    before the terms, as Dynamo's guard manager shares its accessors. An exception
-    anywhere makes the whole function False (the caller then checks one by one).
+    Each comparison is the one :meth:`Assertion.holds` makes. The sources form a tree
+    from the scope's names through attribute and constant-item steps; each object on the
+    way is read once, a level of the tree at a time, and each kind of comparison is made
+    for all its assertions at once, by C functions (``map``, ``operator``). A source of
+    another form is evaluated as it is. An exception anywhere makes the whole function
+    False (the caller then checks one by one).
     """
     if not assertions:
         return _true
-    namespace: dict[str, Any] = {"__builtins__": builtins}
-    reads = _Reads()
-    terms = []
-    for i, a in enumerate(assertions):
-        namespace[f"_v{i}"] = a.value
-        expr = f"({reads.source(a.name)})"
-        if a.kind == "value":
-            namespace[f"_t{i}"] = type(a.value)
-            terms.append(f"(type(_c := {expr}) is _t{i} and _c == _v{i})")
-        elif a.kind == "identity":
-            terms.append(f"{expr} is _v{i}")
-        elif a.kind == "type":
-            terms.append(f"type({expr}) is _v{i}")
-        elif a.kind == "length":
-            terms.append(f"len({expr}) == _v{i}")
-        else:
-            terms.append(f"len({expr}) == 0")
-    # The scope's names that the sources read, taken from the scope: a missing one
-    # raises (as evaluating the source would), so the whole function is False.
-    used = sorted({n for a in assertions for n in a.expr.co_names if n in _SCOPE_NAMES})
-    body = "".join(f"        {name} = _scope[{name!r}]\n" for name in used)
-    body += "".join(f"        {line}\n" for line in reads.lines)
-    source = (
-        "def _holds(_scope):\n"
-        "    try:\n"
-        f"{body}"
-        f"        return bool({' and '.join(terms)})\n"
-        "    except Exception:\n"
-        "        return False\n"
+    plan = _Plan()
+    others = tuple(a for a in assertions if not plan.add(a))
+    return (
+        plan.holds
+        if not others
+        else lambda scope: plan.holds(scope) and all(a.holds(scope) for a in others)
     )
-    exec(compile(source, "<guardtrain assertions>", "exec"), namespace)
-    return namespace["_holds"]  # type: ignore[no-any-return]
 
 
-class _Reads:
-    """The objects that the sources read on the way, each bound to a local once."""
+class _Plan:
+    """The objects an entry's assertions read (``roots``, then a level of the tree at a
+    time: each object's getter and its parent's index) and, per kind, which objects are
+    compared with what."""
 
     def __init__(self) -> None:
-        self.names: dict[str, str] = {}
-        """A read's source (a prefix of some assertion's source) -> its local."""
-        self.lines: list[str] = []
-        """The assignments, each after those it reads."""
+        self.roots: list[str] = []
+        self.nodes: dict[tuple[str, ...], tuple[int, int]] = {}
+        """A source's steps -> (its object's index among the level's, its level)."""
+        self.levels: list[list[tuple[Callable[[Any], Any], tuple[str, ...]]]] = []
+        self.compare: dict[str, list[tuple[tuple[str, ...], Any]]] = {}
+        self.ready: tuple[Any, ...] | None = None
 
-    def source(self, name: str) -> str:
-        """``name`` with the object it reads its last step from replaced by a local.
+    def add(self, a: Any) -> bool:
+        """Plan ``a``'s comparison; False when its source is not a chain from the scope."""
+        steps = _steps(a.name)
+        if steps is None or steps[0] not in _SCOPE_NAMES:
+            return False
+        for depth in range(1, len(steps) + 1):
+            self._node(tuple(steps[:depth]))
+        self.compare.setdefault(a.kind, []).append((tuple(steps), a.value))
+        return True
 
-        A source that is not a name followed by attribute and constant-item steps
-        (``a.b['c'][0]``) is left as it is.
-        """
-        ends = _step_ends(name)
-        if ends is None:
-            return name
-        local = name[: ends[0]]  # the head: one of the scope's names
-        for i in range(1, len(ends) - 1):
-            prefix = name[: ends[i]]
-            found = self.names.get(prefix)
-            if found is None:
-                found = self.names[prefix] = f"_r{len(self.names)}"
-                self.lines.append(f"{found} = {local}{name[ends[i - 1] : ends[i]]}")
-            local = found
-        return f"{local}{name[ends[-2] :]}" if len(ends) > 1 else name
+    def _node(self, path: tuple[str, ...]) -> None:
+        if path in self.nodes:
+            return
+        if len(path) == 1:
+            self.roots.append(path[0])
+            self.nodes[path] = (len(self.roots) - 1, 0)
+            return
+        while len(self.levels) < len(path) - 1:
+            self.levels.append([])
+        level = self.levels[len(path) - 2]
+        step = path[-1]
+        get = (
+            operator.attrgetter(step[1:])
+            if step.startswith(".")
+            else operator.itemgetter(_key(step[1:-1]))
+        )
+        level.append((get, path[:-1]))
+        self.nodes[path] = (len(level) - 1, len(path) - 1)
+
+    def _freeze(self) -> tuple[Any, ...]:
+        """Indices into the flat list of objects: roots, then each level in order."""
+        starts = [0, len(self.roots)]
+        for level in self.levels:
+            starts.append(starts[-1] + len(level))
+
+        def at(path: tuple[str, ...]) -> int:
+            index, depth = self.nodes[path]
+            return starts[depth] + index
+
+        levels = tuple(
+            (tuple(get for get, _ in level), tuple(at(parent) for _, parent in level))
+            for level in self.levels
+        )
+        checks = tuple(
+            (kind, tuple(at(p) for p, _ in pairs), tuple(v for _, v in pairs))
+            for kind, pairs in self.compare.items()
+        )
+        checks += tuple(
+            ("value type", at, tuple(map(type, values)))
+            for kind, at, values in checks
+            if kind == "value"
+        )
+        return tuple(self.roots), levels, checks
+
+    def holds(self, scope: dict[str, Any]) -> bool:
+        if self.ready is None:
+            self.ready = self._freeze()
+        roots, levels, checks = self.ready
+        try:
+            objs = list(map(scope.__getitem__, roots))
+            for getters, parents in levels:
+                objs += list(map(_call, getters, map(objs.__getitem__, parents)))
+            for kind, at, values in checks[::-1]:  # a value's type before the value
+                found = tuple(map(objs.__getitem__, at))
+                if kind == "type" or kind == "value type":
+                    ok = tuple(map(type, found)) == values
+                elif kind == "value":
+                    ok = found == values
+                elif kind == "identity":
+                    ok = all(map(operator.is_, found, values))
+                elif kind == "length":
+                    ok = tuple(map(len, found)) == values
+                else:
+                    ok = not any(map(len, found))
+                if not ok:
+                    return False
+        except Exception:
+            return False
+        return True
+
+
+_call = operator.call
+
+
+def _key(text: str) -> Any:
+    """A constant item's key as written: a quoted string or an integer."""
+    return text[1:-1] if text[0] in "'\"" else int(text)
 
 
 #: The first name of a source, and each step after it: an attribute, a constant item.
@@ -132,18 +183,21 @@ _HEAD = re.compile(r"[A-Za-z_]\w*")
 _STEP = re.compile(r"\.[A-Za-z_]\w*|\[(?:'[^'\\]*'|\"[^\"\\]*\"|-?\d+)\]")
 
 
-def _step_ends(name: str) -> list[int] | None:
-    """Where the head and each step of ``name`` end; None when ``name`` is not such a chain."""
+def _steps(name: str) -> list[str] | None:
+    """The head of ``name`` and each step after it (``.attr``, ``['key']``, ``[0]``); None
+    when ``name`` is not such a chain."""
     head = _HEAD.match(name)
     if head is None:
         return None
-    ends = [head.end()]
-    while ends[-1] < len(name):
-        step = _STEP.match(name, ends[-1])
+    steps = [head.group()]
+    end = head.end()
+    while end < len(name):
+        step = _STEP.match(name, end)
         if step is None:
             return None
-        ends.append(step.end())
-    return ends
+        steps.append(step.group())
+        end = step.end()
+    return steps
 
 
 def _true(scope: dict[str, Any]) -> bool:

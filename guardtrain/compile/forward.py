@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 import guardtrain.compile.call_mode as _call_mode
-from guardtrain._torch import dynamo_config, eval_frame
+from guardtrain._torch import STANCE, dynamo_config, eval_frame_state
 from guardtrain.compile import known_states as _states
 from guardtrain.compile.accept import (
     ADMITTED,
@@ -64,7 +64,7 @@ __all__ = [
     "wrapper_for",
 ]
 
-_eval_frame = eval_frame
+_frame_state = eval_frame_state
 _is_compiling: Callable[[], bool] = torch.compiler.is_compiling
 _FREEVAR_ERROR = "Freevar has no source"
 _NOT_RUN = object()
@@ -173,20 +173,20 @@ def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     # process, so it is set around the target's own compiled call and put back after
     # it, also when the call raises. Never written while Dynamo traces this wrapper,
     # nor over a stance the user set.
-    previous = _eval_frame._stance
+    previous = _frame_state[STANCE]
     unsafe = target.unsafe_stance
     if previous is not target.plain_stance or _is_compiling():
         unsafe = _other_stance(target, previous)
         if unsafe is None:
             return _not_our_stance(target, args, kwargs)
-    _eval_frame._stance = unsafe
+    _frame_state[STANCE] = unsafe
     target.decode_calls += decode  # a transformers cache: a generate() call (H53)
     try:
         return target.compiled(*args, **kwargs)
     except RuntimeError as err:
         failed = err
     finally:
-        _eval_frame._stance = previous
+        _frame_state[STANCE] = previous
     target.decode_calls -= decode  # it did not run
     return _after_stance_miss(target, failed, mode, key, args, kwargs)
 

@@ -49,9 +49,19 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.optim.optimizer as _optimizer
 
-from guardtrain._torch import DynamoException, RecompileLimitHit, guards
+from guardtrain._torch import (
+    LR_SCHEDULER_WRAPPED,
+    STEP_CALLED,
+    STEP_POST_HOOKS,
+    STEP_PRE_HOOKS,
+    STEP_PROFILE,
+    DynamoException,
+    RecompileLimitHit,
+    guards,
+    optimizer_post_hooks,
+    optimizer_pre_hooks,
+)
 from guardtrain.compile.accept import first_accepting
 from guardtrain.compile.assertions import (
     GroupValues,
@@ -86,8 +96,8 @@ __all__ = [
 _dict_version: Callable[[dict[Any, Any]], int] = guards.dict_version
 _grad = operator.attrgetter("grad")
 _Tensor = torch.Tensor
-_pre_hooks = _optimizer._global_optimizer_pre_hooks
-_post_hooks = _optimizer._global_optimizer_post_hooks
+_pre_hooks = optimizer_pre_hooks
+_post_hooks = optimizer_post_hooks
 _MISSING = object()
 _RECOMPILE_LIMIT: type[BaseException] = RecompileLimitHit
 
@@ -334,7 +344,7 @@ class CompiledStep:
         opt = self.optimizer
         args: tuple[Any, ...] = (opt,)  # as torch's wrapper gives them to the hooks
         kwargs: dict[str, Any] = {} if closure is None else {"closure": closure}
-        for pre_hook in (*_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values()):
+        for pre_hook in (*_pre_hooks.values(), *getattr(opt, STEP_PRE_HOOKS).values()):
             result = pre_hook(opt, args, kwargs)
             if result is not None:  # as torch's wrapper: new (args, kwargs)
                 args, kwargs = result
@@ -345,12 +355,12 @@ class CompiledStep:
                 loss = closure()
         # What an LR scheduler's own step wrapper records (its check before its step);
         # written once, before the check reads the optimizer's version.
-        if opt.__dict__.get("_opt_called") is not True:
-            opt._opt_called = True  # type: ignore[attr-defined]
+        if opt.__dict__.get(STEP_CALLED) is not True:
+            setattr(opt, STEP_CALLED, True)
         with torch.no_grad():
             self._update()
-        opt._optimizer_step_code()
-        for post_hook in (*opt._optimizer_step_post_hooks.values(), *_post_hooks.values()):
+        getattr(opt, STEP_PROFILE)()
+        for post_hook in (*getattr(opt, STEP_POST_HOOKS).values(), *_post_hooks.values()):
             post_hook(opt, args, kwargs)
         return loss
 
@@ -465,8 +475,8 @@ def _step(optimizer: Any, closure: Callable[[], Any] | None = None) -> Any:
 
 
 # An LR scheduler checks for its own wrapper (and warns that the step was replaced) and
-# reads `_opt_called`, which CompiledStep.step sets; one made later keeps this step as it is.
-_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+# reads the mark that CompiledStep.step sets; one made later keeps this step as it is.
+setattr(_step, LR_SCHEDULER_WRAPPED, True)
 
 
 def installed(optimizer: Any) -> CompiledStep | None:

@@ -5,8 +5,8 @@ a list, a tuple per plain value, then a tuple. Most steady calls repeat the prev
 call's plain values exactly (``model(x, k, t, "mode")`` with the same ``k``, ``t`` and
 mode), so once a key has been admitted under the stance and then repeated, the target's
 key function becomes one made for that key (:func:`repeat_key`): it compares the call's
-arguments with the key's values in one expression and returns the same key object, or
-falls back to ``call_key``. It is made only for flat calls (exact tensors and plain values, no
+argument types and plain values with the key's, each as one tuple, and returns the same key
+object, or falls back to ``call_key``. It is made only for flat calls (exact tensors and plain values, no
 containers, tensors all distinct), and only after a repeat, so an argument that takes a
 new value on every call (a step counter) never pays for making one.
 """
@@ -14,6 +14,7 @@ new value on every call (a step counter) never pays for making one.
 from __future__ import annotations
 
 import types
+from operator import itemgetter
 from typing import Any, Callable
 
 import torch
@@ -36,40 +37,59 @@ gets no function of its own (one tensor, containers), so it is not made again.""
 def repeat_key(key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyFunction:
     """A key function for calls like this one (whose key is ``key``): the same key and the
     call's tensors when its arguments are this call's types and plain values, else what
-    ``call_key`` returns; :data:`same_as_call_key` where the call is not flat."""
+    ``call_key`` returns; :data:`same_as_call_key` where the call is not flat.
+
+    The comparison is made by C functions over the whole call (the argument types as one
+    tuple, the plain values by one ``itemgetter``), so its cost does not grow with the
+    number of arguments; tensors must be distinct, as when the key was made (a repeated
+    tensor adds a pattern to the key).
+    """
     if key is ONE_TENSOR:
         return same_as_call_key  # call_key's own fast path already
-    values = [*args, *kwargs.values()]
+    values = (*args, *kwargs.values())
     if len(values) > REPEAT_LIMIT or len(key) != len(values) + 1 + bool(kwargs):
         return same_as_call_key  # containers, an aliasing pattern, or too long
-    namespace: dict[str, Any] = {"KEY": key, "T": torch.Tensor, "fallback": call_key}
-    terms = [f"len(args) == {len(args)}"]
+    kinds = tuple(map(type, values))
+    if any(kind is not torch.Tensor and kind not in PLAIN_TYPES for kind in kinds):
+        return same_as_call_key
+    tensor_at = [i for i, kind in enumerate(kinds) if kind is torch.Tensor]
+    plain_at = [i for i, kind in enumerate(kinds) if kind is not torch.Tensor]
+    if not tensor_at:
+        return same_as_call_key
+    # One index gives the item itself, several a tuple: the expected value has the same form.
+    plains = itemgetter(*plain_at) if plain_at else itemgetter(slice(0, 0))
+    expected = plains(values)
+    count, first = len(tensor_at), tensor_at[0]
+    several = itemgetter(*tensor_at) if count > 1 else None
+    n, names = len(args), tuple(kwargs)
+
     if kwargs:
-        namespace["NAMES"] = tuple(kwargs)
-        terms.append("tuple(kwargs) == NAMES")
+
+        def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if len(args) == n and tuple(kwargs) == names:
+                values = (*args, *kwargs.values())
+                if plains(values) == expected and tuple(map(type, values)) == kinds:
+                    if several is None:
+                        return key, (values[first],)
+                    found = several(values)
+                    if len(set(map(id, found))) == count:
+                        return key, found
+            return call_key(args, kwargs)
+
     else:
-        terms.append("not kwargs")
-    tensors = []
-    for i, value in enumerate(values):
-        source = f"args[{i}]" if i < len(args) else f"kwargs[{list(kwargs)[i - len(args)]!r}]"
-        kind = type(value)
-        if kind is torch.Tensor:
-            terms.append(f"type({source}) is T")
-            tensors.append(source)
-        elif kind in PLAIN_TYPES:
-            namespace[f"t{i}"], namespace[f"v{i}"] = kind, value
-            terms.append(f"type(a{i} := {source}) is t{i} and a{i} == v{i}")
-        else:
-            return same_as_call_key
-    if len(tensors) > 1:
-        # Distinct tensors, as when the key was made (a repeated tensor adds a pattern).
-        pairs = [(a, b) for n, a in enumerate(tensors) for b in tensors[n + 1 :]]
-        terms.extend(f"{a} is not {b}" for a, b in pairs)
-    source = (
-        "def key_of(args, kwargs):\n"
-        f"    if {' and '.join(terms)}:\n"
-        f"        return KEY, [{', '.join(tensors)}]\n"
-        "    return fallback(args, kwargs)\n"
-    )
-    exec(compile(source, "<guardtrain repeat key>", "exec"), namespace)
-    return namespace["key_of"]  # type: ignore[no-any-return]
+
+        def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if (
+                not kwargs
+                and len(args) == n
+                and plains(args) == expected
+                and tuple(map(type, args)) == kinds
+            ):
+                if several is None:
+                    return key, (args[first],)
+                found = several(args)
+                if len(set(map(id, found))) == count:
+                    return key, found
+            return call_key(args, kwargs)
+
+    return key_of

@@ -12,6 +12,7 @@ from typing import Sequence
 
 from torch import nn
 
+from guardtrain._torch import COMPILED_CALL, DYNAMO_ORIGINAL, OPTIMIZED_ORIGINAL
 from guardtrain._torch import OptimizedModule as _OptimizedModule
 from guardtrain.errors import GuardTrainRuntimeError, GuardTrainTypeError, GuardTrainValueError
 
@@ -40,7 +41,7 @@ def forward_function(
                 f"Target {label} is compiled by another guardtrain run already; {owner} "
                 "cannot compile it too. Let that run finish (or call its restore()) first."
             )
-        if hasattr(attr, "_torchdynamo_orig_callable") or hasattr(attr, "_compiled_call_impl"):
+        if hasattr(attr, DYNAMO_ORIGINAL) or hasattr(attr, COMPILED_CALL):
             raise GuardTrainValueError(
                 f"Target {label} has a compiled `forward` already. Remove your torch.compile "
                 f"call: {owner} compiles it."
@@ -52,7 +53,7 @@ def forward_function(
             f"Target {label} has an instance attribute `forward` of type "
             f"{type(attr).__name__}; guardtrain compiles plain methods only."
         )
-    if getattr(module, "_compiled_call_impl", None) is not None:
+    if getattr(module, COMPILED_CALL, None) is not None:
         raise GuardTrainValueError(
             f"Target {label} was compiled with nn.Module.compile() already. Remove that call: "
             f"{owner} compiles it."
@@ -136,7 +137,8 @@ def _refuse_duplicates(outer: dict[str, nn.Module]) -> None:
 def _look_through(name: str, module: nn.Module) -> tuple[str, nn.Module]:
     """``torch.compile(module)`` returns a wrapper: the target is the module inside it."""
     while isinstance(module, OptimizedModule):
-        name, module = (f"{name}._orig_mod" if name else "_orig_mod"), module._orig_mod
+        inner = f"{name}.{OPTIMIZED_ORIGINAL}" if name else OPTIMIZED_ORIGINAL
+        name, module = inner, getattr(module, OPTIMIZED_ORIGINAL)
     return name, module
 
 

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from guardtrain._torch import COMPILED_CALL, DYNAMO_ORIGINAL, OPTIMIZED_ORIGINAL
 from guardtrain.compile.resolve import OptimizedModule
 
 __all__ = ["TakeOver", "take_over_compiled"]
@@ -45,11 +46,11 @@ class TakeOver:
         for sub_name, sub in module.named_modules(prefix=name):
             label = sub_name or root_label
             if isinstance(sub, OptimizedModule):
-                self._set(sub, "forward", sub._orig_mod.__call__)
+                self._set(sub, "forward", getattr(sub, OPTIMIZED_ORIGINAL).__call__)
                 self.names.append(f"{label} (torch.compile)")
                 continue
-            if sub.__dict__.get("_compiled_call_impl") is not None:
-                self._set(sub, "_compiled_call_impl", None)
+            if sub.__dict__.get(COMPILED_CALL) is not None:
+                self._set(sub, COMPILED_CALL, None)
                 self.names.append(f"{label} (nn.Module.compile)")
             original = _compiled_forward_source(sub)
             if original is None:
@@ -71,7 +72,7 @@ class TakeOver:
 
 def _compiled_forward_source(module: nn.Module) -> Any:
     """For ``module.forward = torch.compile(module.forward)``: the bound method inside, or None."""
-    original = getattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable", None)
+    original = getattr(module.__dict__.get("forward"), DYNAMO_ORIGINAL, None)
     for _ in range(8):  # torch.compile wraps a bound method in a function: unwrap it
         if original is None or getattr(original, "__self__", None) is module:
             return original
@@ -89,8 +90,8 @@ def take_over_compiled(
     modules = dict(root.named_modules(remove_duplicate=False))
     for name, module in targets:
         wrapper = name
-        while wrapper.endswith("_orig_mod"):  # the OptimizedModules resolve_targets looked through
-            wrapper = wrapper[: -len("_orig_mod")].rstrip(".")
+        while wrapper.endswith(OPTIMIZED_ORIGINAL):  # the wrappers resolve_targets looked through
+            wrapper = wrapper[: -len(OPTIMIZED_ORIGINAL)].rstrip(".")
             taken.take(wrapper, modules[wrapper] if wrapper else root, root_label)
         if wrapper == name:
             taken.take(name, module, root_label)

@@ -342,7 +342,7 @@ class CompiledTarget:
     def check_rows(self) -> tuple[int, int]:
         """What one general check before a call walks: the fingerprint's rows (parameters,
         buffers, hook lists, each walked in Python) and the recorded assertions (evaluated
-        by one generated function per entry)."""
+        together per entry, :mod:`~guardtrain.compile.fastcheck`)."""
         rows = len(self.reference) if self.reference is not None else 0
         return rows, sum(len(recorded) for recorded in self.code.assertions)
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from guardtrain._torch import BUFFERS, module_store
 from guardtrain.compile.target_state import TargetState
 
 __all__ = ["start_verify", "stop_verify"]
@@ -25,9 +26,9 @@ def start_verify(target: TargetState, rtol: float, atol: float) -> None:
 
     def verifying(*args: Any, **kwargs: Any) -> Any:
         slots = [
-            (owner._buffers, name, b)
-            for owner in module.modules()
-            for name, b in owner._buffers.items()
+            (buffers, name, b)
+            for buffers in (module_store(owner, BUFFERS) for owner in module.modules())
+            for name, b in buffers.items()
             if b is not None
         ]
         before = [b.detach().clone() for _, _, b in slots]

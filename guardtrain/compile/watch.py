@@ -61,8 +61,15 @@ from torch import nn
 from torch.utils import hooks as _hooks
 
 from guardtrain._torch import (
+    DYNAMO_METHOD_IDS,
+    GLOBAL_HOOK_DICTS,
     MODULE_CONVERSION,
+    MODULE_HOOK_DICTS,
+    MODULE_STORES,
+    PARAMETERS,
     DisableTorchFunction,
+    module_globals,
+    module_store,
     requires_grad_descriptor,
     skip_frame,
     unspecialized_module_variable,
@@ -103,18 +110,6 @@ _modules: dict[int, list[Watched]] = {}
 _hook_dicts: dict[int, list[Watched]] = {}
 _params: dict[int, list[Watched]] = {}
 _targets: dict[int, tuple[Watched, list[int], list[int], list[int]]] = {}
-_MODULE_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_hooks",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
-_GLOBAL_HOOK_DICTS = (
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_backward_hooks",
-)
 _HOOK_METHODS = (
     "register_forward_pre_hook",
     "register_forward_hook",
@@ -153,7 +148,7 @@ def _current(module: nn.Module, name: str) -> Any:
     d = module.__dict__
     if name in d:
         return d[name]
-    for store in ("_parameters", "_buffers", "_modules"):
+    for store in MODULE_STORES:
         members = d.get(store)
         if members is not None and name in members:
             return members[name]
@@ -205,7 +200,7 @@ def _plain_tensor(module: nn.Module, name: str, old: Any, value: Any) -> bool:
     if not isinstance(value, torch.Tensor) and not isinstance(old, torch.Tensor):
         return False
     d = module.__dict__
-    return not any(name in d.get(store, ()) for store in ("_parameters", "_buffers", "_modules"))
+    return not any(name in d.get(store, ()) for store in MODULE_STORES)
 
 
 @skip_frame
@@ -383,9 +378,7 @@ def _remove(self: _hooks.RemovableHandle) -> None:
 
 
 def _is_global_hook_dict(d: Any) -> bool:
-    from torch.nn.modules import module as module_module
-
-    return any(getattr(module_module, name, None) is d for name in _GLOBAL_HOOK_DICTS)
+    return any(module_globals.get(name) is d for name in GLOBAL_HOOK_DICTS)
 
 
 class _Patches:
@@ -457,7 +450,7 @@ def _prime_dynamo() -> None:
     list once per process, and a wrapper listed there would be refused when ``forward``
     assigns an attribute (a graph break)."""
     variable = unspecialized_module_variable()
-    method_ids = getattr(variable, "_nn_module_method_ids", None)
+    method_ids = getattr(variable, DYNAMO_METHOD_IDS, None)
     if callable(method_ids):
         method_ids()
 
@@ -541,12 +534,12 @@ def _register(
         module_ids.append(key)
         trainings.append(bool(module.__dict__.get("training", True)))
         _modules.setdefault(key, []).append(target)
-        for name in _MODULE_HOOK_DICTS:
+        for name in MODULE_HOOK_DICTS:
             d = module.__dict__.get(name)
             if isinstance(d, dict):
                 dict_ids.append(id(d))
                 _hook_dicts.setdefault(id(d), []).append(target)
-        for param in module.__dict__.get("_parameters", {}).values():
+        for param in module_store(module, PARAMETERS).values():
             if param is not None and id(param) not in seen:
                 seen.add(id(param))
                 param_ids.append(id(param))

@@ -271,8 +271,8 @@ class GuardArguments(TypedDict, total=False):
     """The adapters' keyword-only arguments as type checkers see them: the fields of
     :class:`GuardConfig` after ``preset``, each with the type the argument accepts.
 
-    The adapters' ``__init__`` is generated, so mypy, pyright and IDEs read it from
-    ``**arguments: Unpack[GuardArguments]`` instead (``guardtrain.arguments``).
+    Each adapter's ``__init__`` takes them as ``**arguments: Unpack[GuardArguments]``, which
+    mypy, pyright and IDEs read; its signature is made from the fields (``guardtrain.arguments``).
     ``tests/test_typed_arguments.py`` checks it against the fields: same names, order and
     accepted types."""
 

@@ -56,8 +56,8 @@ CHECK_WINDOW = 32
 CHECK_WEIGHT = 20
 """How many of Dynamo's guards weigh as much as one fingerprint row of guardtrain's general
 check before a call (a parameter, a buffer or a hook list, walked in Python where Dynamo
-evaluates its guards in C++). A recorded assertion, evaluated by one generated function
-per entry, weighs as one guard (docs/bench.md, "The checks' weight")."""
+evaluates its guards in C++). A recorded assertion, evaluated with the others of its entry
+in one walk of their sources, weighs as one guard (docs/bench.md, "The checks' weight")."""
 
 
 def rebuild_over(rebuilds: int, spent: int, dropping: int) -> str | None:

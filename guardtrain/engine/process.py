@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from guardtrain._torch import dynamo_config, eval_frame
+from guardtrain._torch import STANCE, dynamo_config, eval_frame_state
 from guardtrain._torch import stance_is_unsafe as _stance_is_unsafe
 from guardtrain.compile import optimizer as _optimizer
 from guardtrain.compile import watch as _watch
@@ -70,7 +70,7 @@ class DynamoSettings:
         self.stances = Stances()
         """What the targets' steady calls write (:meth:`begin` sets them)."""
         self._saved_config: dict[str, Any] = {}
-        self._values: dict[str, Any] = {}
+        self._written: dict[str, Any] = {}
         self._paused = False
         self._collectives_prev: bool | None = None
 
@@ -81,7 +81,7 @@ class DynamoSettings:
         Raises:
             GuardTrainRuntimeError: ``skip_guard_eval_unsafe`` is already set.
         """
-        stance = eval_frame._stance
+        stance = eval_frame_state[STANCE]
         if stance.skip_guard_eval_unsafe:
             raise GuardTrainRuntimeError(
                 "The unsafe stance (skip_guard_eval_unsafe=True) is already set when the run "
@@ -100,7 +100,7 @@ class DynamoSettings:
         cfg = dynamo_config
         if key not in self._saved_config:
             self._saved_config[key] = getattr(cfg, key)
-        self._values[key] = value
+        self._written[key] = value
         if not self._paused:
             setattr(cfg, key, value)
 
@@ -120,7 +120,7 @@ class DynamoSettings:
             return
         self._paused = False
         cfg = dynamo_config
-        for key, value in self._values.items():
+        for key, value in self._written.items():
             setattr(cfg, key, value)
 
     def set_guard_collectives(self, on: bool) -> None:
@@ -144,7 +144,7 @@ class DynamoSettings:
         """Put back the config values and the guard-collectives hook."""
         self.set_guard_collectives(False)
         self.pause()
-        self._saved_config, self._values = {}, {}
+        self._saved_config, self._written = {}, {}
         self._paused = False
         self.active = False
 
