@@ -627,6 +627,25 @@ def _console_script(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[s
     )
 
 
+def test_console_script_keeps_the_profilers_own_lines_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The torch profiler's ``USDT ... profiler_start/stop`` lines stay out of the terminal
+    (without redirecting a file descriptor); a level the caller set is left as it is (and
+    shows that this run profiles)."""
+    (tmp_path / "work").mkdir()
+    argv = ["--model", "mlp", "--configs", "compile", "--backend", "eager", "--repeats", "1"]
+    argv += ["--calls", "2", "--no-step", "--no-progress"]
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    quiet = _console_script(tmp_path, *argv)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "USDT" not in quiet.stdout + quiet.stderr
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "1")
+    loud = _console_script(tmp_path, *argv)
+    assert loud.returncode == 0, loud.stderr
+    assert "profiler_start" in loud.stdout + loud.stderr
+
+
 def test_console_script_imports_a_factory_from_the_working_directory(tmp_path: Path) -> None:
     """``guardtrain bench --model mymodule:factory`` run beside ``mymodule.py``: the module
     is found in the working directory, as with ``python -m``; a bad spec names the value,

@@ -10,10 +10,12 @@ the suite's other options are refused with that command (:func:`main`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -264,9 +266,30 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m guardtrain.be
     command = " ".join([prog, *given])
     try:
         _refuse_suite(args, given)
-        return run(args, command)
+        with _quiet_profiler():
+            return run(args, command)
     except GuardTrainValueError as err:
         parser.error(str(err))
+
+
+KINETO_LEVEL = "KINETO_LOG_LEVEL"
+"""The environment variable the torch profiler's C++ side (kineto) reads its log level from,
+once, at its first use in the process."""
+
+
+@contextlib.contextmanager
+def _quiet_profiler() -> Iterator[None]:
+    """The profiler's own ``USDT ... profiler_start`` and ``profiler_stop`` lines (kineto's
+    highest level, 5) kept out of the terminal: level 6 while the command runs, unless the
+    caller set a level; the variable is put back after (kineto keeps the level it read)."""
+    before = os.environ.get(KINETO_LEVEL)
+    if before is None:
+        os.environ[KINETO_LEVEL] = "6"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(KINETO_LEVEL, None)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

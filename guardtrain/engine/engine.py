@@ -229,8 +229,11 @@ class GuardEngine:
             sharded_by_hand=sharded_by_hand,
         )
         r.machine.use_stance = r.levers.use_stance
-        if r.config.preset == "auto":
-            r.host.info(table.auto_line(r.levers))
+        dict_tags, self._dict_tags.off = self._dict_tags.off, None
+        auto = table.auto_note(r.levers) if r.config.preset == "auto" else None
+        line = table.setup_line([dict_tags, auto])
+        if line is not None:
+            r.host.info(line)
 
     def activate(
         self,

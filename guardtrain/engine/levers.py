@@ -52,7 +52,9 @@ class DictTagsNotes:
     warned: bool = False
     """The warning that they are on where they may crash was given."""
     told: bool = False
-    """The line saying that they are off was logged."""
+    """The run's setup line said that they are off."""
+    off: str | None = None
+    """Why guardtrain turned torch's default off, for the setup line (once per engine)."""
     overridden: bool = False
     """torch's own default (True on 2.10 and 2.11) is overridden to False."""
 
@@ -152,23 +154,11 @@ def _resolve_dict_tags(lv: Levers, config: GuardConfig, host: Host, notes: DictT
     if on and (not default or risky) and not notes.warned:
         notes.warned = True
         host.warn(_versions.dict_tags_warning(release, default))
-    if not lv.recursive_dict_tags and not notes.told:
+    if not lv.recursive_dict_tags and notes.overridden and not notes.told:
+        # Said only where guardtrain overrode torch's default: off by torch's own default
+        # or by the user's argument is nothing the user needs to read.
         notes.told = True
-        host.info(
-            f"guardtrain: recursive dict tags are off ({_why_off(explicit, notes, release)})."
-        )
-
-
-def _why_off(explicit: bool | None, notes: DictTagsNotes, release: str) -> str:
-    """Why recursive dict tags are off, for the one line that says so."""
-    if notes.overridden:
-        return _versions.dict_tags_override_reason(release)
-    if explicit is None:
-        return (
-            f"torch {release}'s default; PyTorch switched them off after "
-            "segfaults, pytorch/pytorch#181873"
-        )
-    return "recursive_dict_tags=False"
+        notes.off = f"recursive dict tags are off ({_versions.dict_tags_override_reason(release)})"
 
 
 def config_values(config: GuardConfig, lv: Levers, notes: DictTagsNotes) -> dict[str, Any]:

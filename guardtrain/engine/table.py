@@ -1,4 +1,5 @@
-"""The end-of-run summary table, and the line at setup that says what ``auto`` chose.
+"""The end-of-run summary table, and the run's one line at setup (what ``auto`` chose where
+it is not turbo, recursive dict tags turned off).
 
 Each is a pure function of :func:`~guardtrain.engine.summary.build`'s dict (or the run's
 levers), logged at INFO on rank zero.
@@ -11,7 +12,7 @@ from typing import Any
 from guardtrain.engine import warmstart
 from guardtrain.engine.levers import Levers
 
-__all__ = ["auto_line", "format_summary"]
+__all__ = ["auto_note", "format_summary", "setup_line"]
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -180,17 +181,26 @@ def _state_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
-def auto_line(levers: Levers) -> str:
-    """The one line at setup that says what the ``auto`` preset chose, and why."""
+def auto_note(levers: Levers) -> str | None:
+    """What the ``auto`` preset chose, for the setup line, where it is not turbo's direct
+    dispatch (its usual choice, said in the summary); None then."""
     if not levers.use_stance:
-        return "guardtrain: preset auto: the stance is off in this run."
+        return "preset auto: the stance is off in this run"
     if not levers.direct_dispatch:
         return (
-            f"guardtrain: preset auto chose aggressive's stance: direct dispatch (turbo) is "
-            f"refused: {levers.direct_refused}."
+            "preset auto chose aggressive's stance: direct dispatch (turbo) is refused: "
+            f"{levers.direct_refused}"
         )
-    return (
-        "guardtrain: preset auto chose turbo's direct dispatch; a target that refuses it "
-        "(FSDP's fully_shard) runs under aggressive's stance, and a call whose entry breaks "
-        "the graph runs with full guards, as summary()['auto'] lists."
-    )
+    return None
+
+
+def setup_line(notes: list[str | None]) -> str | None:
+    """The run's one line at setup: its ``notes`` that are set, or None when none is.
+
+    >>> setup_line([None, "preset auto: the stance is off in this run"])
+    'guardtrain: preset auto: the stance is off in this run.'
+    >>> setup_line([None, None]) is None
+    True
+    """
+    said = [note for note in notes if note]
+    return f"guardtrain: {'; '.join(said)}." if said else None
