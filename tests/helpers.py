@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -414,3 +415,9 @@ def assert_restored(model: nn.Module | None = None) -> None:
             assert "forward" not in module.__dict__, (
                 f"{name or 'root'} still has a compiled forward"
             )
+
+
+def first_then_slow(first: str, *others: str) -> list[Any]:
+    """A preset matrix: ``first`` in the README's test command, the ``others`` behind
+    ``-m slow`` (CI runs both)."""
+    return [first, *(pytest.param(p, marks=pytest.mark.slow) for p in others)]

@@ -23,6 +23,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from helpers import first_then_slow  # noqa: E402
 from hf_helpers import (  # noqa: E402
     AOT,
     DEEPSPEED,
@@ -615,7 +616,9 @@ def _compiled_step_optimizers(model: Any, compiled: bool) -> tuple[Any, Any]:
     return opt, sched
 
 
-@pytest.mark.parametrize("preset", ["off", "safe", "balanced", "aggressive", "turbo"])
+@pytest.mark.parametrize(
+    "preset", first_then_slow("aggressive", "off", "safe", "balanced", "turbo")
+)
 def test_a_compiled_optimizer_step_runs_with_full_guards(tmp_path: Path, preset: str) -> None:
     """The user's compiled optimizer step runs with full guards under every preset: equal
     to the same compiled step without guardtrain, and close to an uncompiled optimizer

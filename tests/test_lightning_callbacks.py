@@ -16,7 +16,15 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import TinyModule, assert_same_run, compare, guard, loaders, make_trainer
+from helpers import (
+    TinyModule,
+    assert_same_run,
+    compare,
+    first_then_slow,
+    guard,
+    loaders,
+    make_trainer,
+)
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
     BatchSizeFinder,
@@ -38,7 +46,7 @@ needs_weight_averaging = pytest.mark.skipif(
 )
 
 AOT_EAGER = {"backend": "aot_eager"}
-PRESETS = ["auto", "turbo"]
+PRESETS = first_then_slow("auto", "turbo")
 
 
 def guarded(preset: str) -> Any:

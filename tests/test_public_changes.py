@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import guard_tuner
+from helpers import first_then_slow, guard_tuner
 from torch import nn
 from torch.nn.utils import parametrize, prune
 
-PRESETS = ("safe", "aggressive", "turbo", "auto")
+PRESETS = first_then_slow("auto", "safe", "aggressive", "turbo")
 BATCHES = 14
 CHANGE_AT = (6, 10)
 """The batches before which a scenario changes the model: the loop is steady by the first

@@ -27,7 +27,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import PlainCompile, assert_compiles_bounded, assert_restored, guard_tuner
+from helpers import (
+    PlainCompile,
+    assert_compiles_bounded,
+    assert_restored,
+    first_then_slow,
+    guard_tuner,
+)
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -38,7 +44,7 @@ from transformers.cache_utils import DynamicLayer
 from benchmarks.hf_data import tiny_llama_config
 
 AOT = {"backend": "aot_eager"}
-PRESETS = ["aggressive", "turbo", "auto"]
+PRESETS = first_then_slow("auto", "aggressive", "turbo")
 NEW_TOKENS = 10
 """Model calls per ``generate()``: the prefill, then a decode call per further token."""
 PASSES = 6
@@ -199,7 +205,7 @@ def tiny_t5() -> nn.Module:
     return T5ForConditionalGeneration(config).eval()
 
 
-@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+@pytest.mark.parametrize("preset", first_then_slow("turbo", "aggressive"))
 def test_an_encoder_decoder_model(preset: str) -> None:
     """A tiny T5: each decoder call carries an ``EncoderDecoderCache`` and the encoder's
     output (a ``ModelOutput``), both described by the key; served, tokens eager's."""
@@ -342,7 +348,7 @@ def by_hand(preset: str | None, change: Any) -> tuple[list[Any], dict[str, Any] 
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
-@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+@pytest.mark.parametrize("preset", first_then_slow("turbo", "aggressive"))
 def test_a_change_in_the_middle_of_a_generation(preset: str, change: str) -> None:
     """The last decode's cache changes at its 5th call, after the loop is steady: every
     token equal to eager's under the same change."""
@@ -355,7 +361,7 @@ def test_a_change_in_the_middle_of_a_generation(preset: str, change: str) -> Non
     assert s["decode_calls"]["served"] >= 8, s["decode_calls"]
 
 
-@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+@pytest.mark.parametrize("preset", first_then_slow("turbo", "aggressive"))
 def test_a_prompt_longer_than_any_before(preset: str) -> None:
     """After passes with prompts of 8 tokens, one of 20: a new prefill shape and cache
     lengths never seen; tokens equal to eager's."""
@@ -411,7 +417,7 @@ def cache_calls(preset: str | None, change: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("change", ["dtype", "a layer added"])
-@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+@pytest.mark.parametrize("preset", first_then_slow("turbo", "aggressive"))
 def test_the_caches_tensors_change_dtype_or_a_layer_is_added(preset: str, change: str) -> None:
     """A growing cache of float32, then in the last step float64 (the result promotes to
     float64) or a second layer: results equal to eager's, dtype included."""

@@ -68,7 +68,7 @@ peft = pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("tokenizers")
 
-from helpers import PlainCompile, assert_compiles_bounded  # noqa: E402
+from helpers import PlainCompile, assert_compiles_bounded, first_then_slow  # noqa: E402
 from hf_helpers import guard, steady_share  # noqa: E402
 from transformers import Cache, LlamaForCausalLM, TrainerCallback  # noqa: E402
 
@@ -87,7 +87,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:guardtrain. .* was rebuilt .* compiling its parts"),
 ]
 
-PRESETS = ["auto", "aggressive", "turbo"]
+PRESETS = first_then_slow("auto", "aggressive", "turbo")
 STEADY = 0.75
 """The share of the model calls after warm-up that must run under the stance (measured:
 0.83 to 1.0)."""
