@@ -20,6 +20,7 @@ from guardtrain.compile.accept import (
     ACCEPT_LIMIT,
     ADMITTED,
     FULL_GUARDS,
+    GUARD_SAMPLES,
     MISSED,
     accepting_entry,
     accepts,
@@ -83,6 +84,7 @@ def _target(graph_breaks: bool = False) -> SimpleNamespace:
         code=SimpleNamespace(trampoline=object(), graph_breaks=graph_breaks),
         call_scope=lambda args, kwargs: {"args": args, "kwargs": kwargs},
         checks=0,
+        guard_ns=[],
         learnt=Learnt(),
         last_key=None,
         last_mode=None,
@@ -158,6 +160,12 @@ def test_accepts_counts_only_accepted_calls(cache: list[Any]) -> None:
     assert target.checks == 2
     assert accepts(target, (X, 2), {}) is False
     assert target.checks == 2
+    # Each accepted call's full guard check is timed (for the summary's estimate), the
+    # refused one is not, and no more than GUARD_SAMPLES are kept.
+    assert len(target.guard_ns) == 2 and all(ns >= 0 for ns in target.guard_ns)
+    for _ in range(GUARD_SAMPLES + 3):
+        accepts(target, (X, 1), {})
+    assert len(target.guard_ns) == GUARD_SAMPLES
 
 
 # -- accepting_entry ------------------------------------------------------------------------------

@@ -188,6 +188,12 @@ def test_bottom_line_figures_are_consistent() -> None:
     assert turbo["saved_us"] == 50.0 and "direct calls' own checks" in turbo["note"]
     unmeasured = bottom_line(clock, {})
     assert unmeasured["saved_us"] is None and "not measured in this run" in unmeasured["why"]
+    estimated = bottom_line(clock, {}, estimated=20.0)
+    assert estimated["saved_us"] == 20.0 and "estimated" in estimated["note"], estimated
+    assert math.isclose(estimated["saved_share"], 20.0 / 2020.0, abs_tol=1e-4)
+    assert estimated["guards_share"] is None and estimated["why"] is None
+    profiled = bottom_line(clock, {"full_guards": 50.0, "steady": 5.0}, estimated=20.0)
+    assert profiled["saved_us"] == 45.0 and profiled["note"] is None  # the profile wins
     assert bottom_line(StepClock(), {})["why"] == "fewer than 2 steady training steps"
 
 

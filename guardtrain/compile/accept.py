@@ -10,6 +10,7 @@ steady; only a call that no entry accepts leaves the stance (:data:`MISSED`).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from guardtrain.compile.call_mode import CallMode, key_sources, masked, structure
@@ -22,6 +23,7 @@ __all__ = [
     "ACCEPT_LIMIT",
     "ADMITTED",
     "FULL_GUARDS",
+    "GUARD_SAMPLES",
     "MISSED",
     "accepting_entry",
     "accepts",
@@ -32,6 +34,11 @@ __all__ = [
     "stance_entry",
     "stance_pick",
 ]
+
+GUARD_SAMPLES = 32
+"""Full guard checks timed per target (:attr:`TargetState.guard_ns`), for the summary's
+estimate of the saving; timing is reported, never decided on."""
+_clock = time.perf_counter_ns
 
 ACCEPT_LIMIT = 64
 """Argument keys remembered per mode as accepted (:func:`admit`); past it the set starts
@@ -76,7 +83,12 @@ def stance_entry(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, A
     entry = stance_pick(target.code.trampoline, scope)
     if entry is None:
         return None
-    return entry if _guard_check(entry.guard_manager, scope) else None
+    start = _clock()
+    if not _guard_check(entry.guard_manager, scope):
+        return None
+    if len(target.guard_ns) < GUARD_SAMPLES:  # what a call with full guards spends on them
+        target.guard_ns.append(_clock() - start)
+    return entry
 
 
 def stance_choice(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

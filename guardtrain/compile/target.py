@@ -125,6 +125,8 @@ class CompiledTarget:
         self.first_call = False
         self.versions = Polled()
         self.full_guard_calls, self.checked_generation, self.calls = 0, 0, 0
+        self.guard_ns: list[int] = []  # full guard checks timed in check windows (reported)
+        self.step_calls, self.calls_at_step = 0, 0  # calls in the last warm-up training step
         self.decode_calls, self.decode_full_guards = 0, 0
         self.unverified: Callable[..., Any] | None = None
         self.mismatch: str | None = None

@@ -98,6 +98,10 @@ class TargetState(Protocol):
     last_mode: CallMode | None
     last_decode: bool
     """Whether :attr:`last_key` describes a transformers cache (a ``generate()`` call, H53)."""
+    guard_ns: list[int]
+    """The time (ns) of full guard checks of the stance's entry on calls in check windows
+    (:func:`~guardtrain.compile.accept.stance_entry`), at most
+    :data:`~guardtrain.compile.accept.GUARD_SAMPLES`: reported, never decided on."""
     full_guard_calls: int
     """Calls under the stance whose arguments no key describes (a module, an object):
     they ran with full guards."""

@@ -415,12 +415,20 @@ class GuardEngine:
         ``Trainer``'s optimizer step): its wall time counts in ``summary()["step"]`` if
         the training loop is steady from here to :meth:`step_end` (no compile, no re-arm)."""
         if self.run.state.active:
-            self.run.steps.start(self._step_mark())
+            mark = self._step_mark()
+            self.run.steps.start(mark)
+            if not mark[0]:  # warm-up counts every call: the summary's estimate
+                for t in self.run.targets.kept:
+                    t.calls_at_step = t.calls
 
     def step_end(self) -> None:
         """The training step that :meth:`step_start` began has ended."""
         if self.run.state.active:
-            self.run.steps.end(self._step_mark())
+            mark = self._step_mark()
+            self.run.steps.end(mark)
+            if not mark[0]:
+                for t in self.run.targets.kept:
+                    t.step_calls = t.calls - t.calls_at_step
 
     def _step_mark(self) -> tuple[bool, int, int]:
         m = self.run.machine

@@ -49,6 +49,12 @@ _DIRECT_NOTE = (
 )
 
 
+_ESTIMATE_NOTE = (
+    "estimated: the full guard checks timed in the run's check windows, times the calls "
+    "of a warm-up step (measure_lookup=True profiles it)"
+)
+
+
 @dataclass(slots=True)
 class StepClock:
     """The time of the steady training steps (ns), and the step being timed."""
@@ -111,14 +117,18 @@ def bottom_line(
     lookup: dict[str, float],
     direct: bool = False,
     counts: dict[str, Any] | None = None,
+    estimated: float | None = None,
 ) -> dict[str, Any]:
     """``summary()["step"]``: the median steady step, the saving per step and its shares.
 
     ``saved_share`` is the saving as a share of the step it came from (the steady step
     plus the saving: the step with full guards); ``guards_share`` the share of the
-    steady step that guards still take. ``None`` where not measured (the lookup windows
-    measure it, ``measure_lookup=True``), and ``why`` says why. ``direct``: the run
-    dispatches directly (turbo); ``note`` says what the steady figure then leaves out.
+    steady step that guards still take. The lookup windows measure both
+    (``measure_lookup=True``); without them the saving is ``estimated`` (µs per step that
+    full guards would spend, timed in the run: :func:`guardtrain.engine.summary`'s
+    estimate), ``note`` says so, and ``guards_share`` is None. ``None`` where neither
+    is known, and ``why`` says why. ``direct``: the run dispatches directly (turbo);
+    ``note`` says what the steady figure then leaves out.
     ``counts`` (the run's counters: the steady calls with full guards and directly, the
     ``generate()`` calls served, the guards a full-guards call evaluates, the bench's
     figure for the preset) are added as they are, measured or not.
@@ -126,12 +136,12 @@ def bottom_line(
     clock.collect()
     times = list(clock.times)
     median = statistics.median(times) / 1e3 if len(times) >= 2 else None
-    saved = lookup["full_guards"] - lookup["steady"] if "steady" in lookup else None
+    saved, note = _saving(lookup, direct, estimated)
     why = None
     if median is None:
         why = "fewer than 2 steady training steps"
     elif saved is None:
-        why = "not measured in this run (measure_lookup=False, or several processes)"
+        why = "not measured in this run (no full guard check was timed)"
     return {
         "steady_steps": len(times),
         "median_us": None if median is None else round(median, 1),
@@ -143,9 +153,21 @@ def bottom_line(
         if median is None or "steady" not in lookup
         else round(lookup["steady"] / median, 4),
         "why": why,
-        "note": _DIRECT_NOTE if direct and saved is not None else None,
+        "note": note,
         **(counts or {}),
     }
+
+
+def _saving(
+    lookup: dict[str, float], direct: bool, estimated: float | None
+) -> tuple[float | None, str | None]:
+    """``(saved µs per step, note)``: the lookup windows' profile where there is one, else
+    the estimate, else None."""
+    if "steady" in lookup:
+        return lookup["full_guards"] - lookup["steady"], _DIRECT_NOTE if direct else None
+    if estimated is not None:
+        return estimated, _ESTIMATE_NOTE
+    return None, None
 
 
 def step_metrics(step: dict[str, Any]) -> dict[str, float]:

@@ -8,6 +8,7 @@ holding its values load with ``torch.load(weights_only=True)``
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from guardtrain.compile import CompiledTarget
@@ -58,7 +59,9 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
         "own_code": [{"target": label(t, root), "why": t.own_code} for t in ts.kept if t.own_code],
         "direct_dispatch": _direct(e),
         "auto": _auto(e),
-        "step": bottom_line(e.steps, lookup, e.levers.direct_dispatch, _counts(e)),
+        "step": bottom_line(
+            e.steps, lookup, e.levers.direct_dispatch, _counts(e), _guard_estimate(e)
+        ),
         "caught_changes": _caught(e),
         "state_swaps": ts.swaps + sum(t.kept.swaps for t in ts.kept) + r.get("state_swaps", 0),
         "full_guard_targets": [dict(h) for h in e.ledger.handed_over],
@@ -91,6 +94,19 @@ def _counts(e: Run) -> dict[str, Any]:
         "guards_per_call": sum(t.code.guard_count for t in ts.kept),
         "bench_guard_share": share,
     }
+
+
+def _guard_estimate(e: Run) -> float | None:
+    """µs per training step that full guards would spend, estimated without a profiler:
+    for each target, the median of its timed full guard checks times its calls in a
+    warm-up training step (every call is counted there); None where no check was timed
+    or the stance is off. Reported, never decided on."""
+    if not e.levers.use_stance:
+        return None
+    timed = [t for t in e.targets.kept if t.guard_ns and t.step_calls]
+    if not timed:
+        return None
+    return sum(statistics.median(t.guard_ns) / 1e3 * t.step_calls for t in timed)
 
 
 def _full_guard_calls(e: Run) -> int:

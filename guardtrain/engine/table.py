@@ -85,11 +85,15 @@ def _step_lines(s: dict[str, Any]) -> list[str]:
             f"  step (steady)    {step['median_us'] / 1e3:.2f} ms median of {step['steady_steps']}"
         )
         if step.get("saved_us") is not None:
+            profiled = step.get("guards_share") is not None
             text += (
-                f"; guardtrain saved {step['saved_us']:.1f} µs/step "
-                f"({100 * step['saved_share']:.1f}% of the step with full guards), "
-                f"guards take {100 * step['guards_share']:.1f}% of it"
+                f"; guardtrain saved {'' if profiled else 'about '}{step['saved_us']:.1f} "
+                f"µs/step ({100 * step['saved_share']:.1f}% of the step with full guards"
             )
+            if profiled:
+                text += f"), guards take {100 * step['guards_share']:.1f}% of it"
+            else:
+                text += ", from the guard checks timed in the run)"
         else:
             text += f"; the run's own saving {step['why']}"
         lines.append(text)
