@@ -9,6 +9,7 @@ part's answer, so that a part that stops seeing a change fails here by name.
 from __future__ import annotations
 
 import gc
+import types
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from torch import nn
 from guardtrain.compile import grads
 from guardtrain.compile.call_mode import ONE_TENSOR, call_key
 from guardtrain.compile.polled import Polled
-from guardtrain.compile.repeat import repeat_key, same_as_call_key
+from guardtrain.compile.repeat import promoting, repeat_key, same_as_call_key
 from guardtrain.compile.stances import NO_STANCE, Stances
 from guardtrain.compile.watch import class_dict
 
@@ -156,6 +157,24 @@ def test_a_repeated_keys_function_gives_call_keys_answer(
         assert [id(t) for t in got[1]] == [id(t) for t in want[1]]
         # The same key object exactly when the call repeats the template's key.
         assert (got[0] is key) == (want[0] == key)
+
+
+def test_the_key_function_is_made_at_the_first_repeat_of_the_admitted_key() -> None:
+    """Until the last admitted key repeats, ``call_key``'s answer; at the repeat the target's
+    key function becomes the one made for that key (the steady path never asks)."""
+    target = types.SimpleNamespace(last_key=None)
+    target.key_of = first = promoting(target)
+    args = (X, 3, 0.5)
+    found = target.key_of(args, {})
+    assert found == call_key(args, {}) and target.key_of is first  # no key admitted yet
+    target.last_key = found[0]
+    again = target.key_of(args, {})
+    assert again[0] == found[0] and target.key_of not in (first, call_key, same_as_call_key)
+    assert target.key_of((X, 3, 0.5), {})[0] is again[0]  # recognised without a new key
+    one = types.SimpleNamespace(last_key=ONE_TENSOR)
+    one.key_of = promoting(one)
+    one.key_of((X,), {})
+    assert one.key_of is same_as_call_key  # call_key's own fast path
 
 
 @pytest.mark.parametrize(

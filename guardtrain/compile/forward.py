@@ -32,7 +32,6 @@ from guardtrain.compile.caches import carries_cache, in_key
 from guardtrain.compile.call_mode import (
     CallMode,
     any_autocast,
-    call_key,
     callback_handler,
     describe_call_mode,
     inlined_hooks_active,
@@ -47,7 +46,7 @@ from guardtrain.compile.grads import use_variant
 from guardtrain.compile.harvest import direct_entry
 from guardtrain.compile.miss import Miss, MissReason
 from guardtrain.compile.options import is_stance_miss
-from guardtrain.compile.repeat import repeat_key
+from guardtrain.compile.repeat import promoting
 from guardtrain.compile.stances import NO_STANCE
 from guardtrain.compile.target_state import TargetState
 from guardtrain.compile.trampoline import compiling_frame
@@ -139,7 +138,7 @@ def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     it with full guards)."""
     module = target.module
     mode = (module.training, is_grad_enabled(), is_inference(), any_autocast())
-    found = target.key_of(args, kwargs)  # call_key, or one made for a repeated key
+    found = target.key_of(args, kwargs)  # call_key until a key repeats, then its own
     if found is None:
         return with_full_guards(target, args, kwargs)  # no key describes the arguments
     key, tensors = found
@@ -148,8 +147,6 @@ def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         # may serve is ever admitted, and a compile, a rebuild or another code forgets it.
         verdict = ADMITTED
         decode = target.last_decode
-        if target.key_of is call_key:
-            target.key_of = repeat_key(key, args, kwargs)  # a repeat: recognise it fast
     else:
         verdict, decode = _verdict(target, mode, key, args, kwargs)
         if verdict is MISSED:
@@ -225,7 +222,7 @@ def _admission(
         if not target.under_stance:
             return MISSED
     code = target.code
-    target.key_of = call_key  # another key: no fast recognition until it repeats
+    target.key_of = promoting(target)  # another key: no fast recognition until it repeats
     if mode in code.stance_modes:
         if target.retry_eagerly:
             # With guard collectives a check on this rank alone would break the pairing

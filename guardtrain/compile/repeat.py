@@ -4,7 +4,7 @@
 a list, a tuple per plain value, then a tuple. Most steady calls repeat the previous
 call's plain values exactly (``model(x, k, t, "mode")`` with the same ``k``, ``t`` and
 mode), so once a key has been admitted under the stance and then repeated, the target's
-key function becomes one made for that key (:func:`repeat_key`): it compares the call's
+key function (:func:`promoting` until then) becomes one made for that key (:func:`repeat_key`): it compares the call's
 argument types and plain values with the key's, each as one tuple, and returns the same key
 object, or falls back to ``call_key``. It is made only for flat calls (exact tensors and plain values, no
 containers, tensors all distinct), and only after a repeat, so an argument that takes a
@@ -21,7 +21,7 @@ import torch
 
 from guardtrain.compile.call_mode import ONE_TENSOR, PLAIN_TYPES, call_key
 
-__all__ = ["REPEAT_LIMIT", "repeat_key", "same_as_call_key"]
+__all__ = ["REPEAT_LIMIT", "promoting", "repeat_key", "same_as_call_key"]
 
 REPEAT_LIMIT = 6
 """At most this many arguments (positional and keyword) in a key that gets its own
@@ -91,5 +91,20 @@ def repeat_key(key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, An
                 if len(set(map(id, found))) == count:
                     return key, found
             return call_key(args, kwargs)
+
+    return key_of
+
+
+def promoting(target: Any) -> KeyFunction:
+    """``target``'s key function until a key repeats: ``call_key``, and on a call whose key
+    is the last admitted one, ``target.key_of`` becomes :func:`repeat_key`'s function for
+    it. The steady path then never asks whether to make one: the function in place is
+    either this one (until a repeat) or the one made."""
+
+    def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        found = call_key(args, kwargs)
+        if found is not None and found[0] == target.last_key:
+            target.key_of = repeat_key(found[0], args, kwargs)
+        return found
 
     return key_of

@@ -32,11 +32,12 @@ import guardtrain.compile.known_states as _states
 import guardtrain.compile.verify as _verify
 import guardtrain.compile.watch as _watch
 from guardtrain.compile.assertions import Assertion, check, polled_objects
-from guardtrain.compile.call_mode import CallMode, call_key
+from guardtrain.compile.call_mode import CallMode
 from guardtrain.compile.code import TargetCode, structure_key
 from guardtrain.compile.forward import plain_forward_for, wrapper_for
 from guardtrain.compile.miss import Miss
 from guardtrain.compile.polled import Polled
+from guardtrain.compile.repeat import promoting
 from guardtrain.compile.resolve import forward_function, nested_compile_region
 from guardtrain.compile.stances import NO_STANCE, Stances
 from guardtrain.errors import GuardTrainValueError
@@ -321,7 +322,7 @@ class CompiledTarget:
         self.last_key: tuple[Any, ...] | None = None
         self.last_mode: CallMode | None = None
         self.last_decode = False
-        self.key_of: Callable[..., Any] = call_key
+        self.key_of: Callable[..., Any] = promoting(self)
 
     def allow_direct_dispatch(self, allowed: bool) -> None:
         """Whether calls under the stance may run harvested entries (turbo, H30)."""

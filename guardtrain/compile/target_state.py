@@ -93,8 +93,9 @@ class TargetState(Protocol):
     last_key: tuple[Any, ...] | None
     """The argument key of the last call admitted under the stance."""
     key_of: Callable[[tuple[Any, ...], dict[str, Any]], Any]
-    """What makes a steady call's key: :func:`~guardtrain.compile.call_mode.call_key`, or
-    after a repeated key one made for it (:mod:`guardtrain.compile.repeat`)."""
+    """What makes a steady call's key: ``call_key`` through
+    :func:`~guardtrain.compile.repeat.promoting` until a key repeats, then one made for
+    that key (:mod:`guardtrain.compile.repeat`)."""
     last_mode: CallMode | None
     last_decode: bool
     """Whether :attr:`last_key` describes a transformers cache (a ``generate()`` call, H53)."""
