@@ -532,6 +532,7 @@ def test_one_live_run_at_a_time_compiles_an_optimizer() -> None:
     assert_restored()
 
 
+@pytest.mark.slow  # the bench's optimizer column: about 25 s here
 def test_bench_optimizer_step(tmp_path: Any) -> None:
     """``guardtrain bench --optimizer-step``: the four configurations interleaved, their
     ratios to plain compile, and the compiled steps' summaries (timing is not tested)."""

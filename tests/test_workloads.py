@@ -114,7 +114,10 @@ def test_litgpt_fabric(name: str) -> None:
         assert targets == ["transformer.h.0", "transformer.h.1"], targets
 
 
-@pytest.mark.parametrize("name", ["rollout", "grpo"])
+@pytest.mark.parametrize(
+    "name",
+    ["rollout", pytest.param("grpo", marks=pytest.mark.slow)],  # grpo: 45 s here
+)
 def test_rollout_workloads(name: str) -> None:
     """``generate()`` inside the step, its calls served under turbo. ``rollout``: the losses
     (which the sampled rollouts feed) equal plain compile's bitwise. ``grpo``: two TRL GRPO
