@@ -44,7 +44,7 @@ PY
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 
 status=0
-"$PY" -m pytest tests/test_distributed.py -k gpu -v -p no:cacheprovider --durations=0 \
+"$PY" -m pytest tests/test_distributed.py -k gpu -m "slow or not slow" -v -p no:cacheprovider --durations=0 \
     --junitxml="$DEST/gpu_tests.xml" 2>&1 | tee "$DEST/gpu_tests.log" || status=$?
 
 "$PY" scripts/bench_guard_collectives.py --device cpu --repeats 15 --calls 200 \

@@ -96,8 +96,9 @@ test_version() {
             "in $(($(date +%s) - start)) s ($venv/matrix-fast.log)"
         return $status
     fi
-    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$py" -m pytest -q -ra -p no:cacheprovider \
-        ${MATRIX_PYTEST_ARGS:-} "${INDUCTOR_TESTS[@]}" "${EXTRA_TESTS[@]}" \
+    # -m: the named tests whatever their marks (pyproject's addopts leave `slow` out)
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$py" -m pytest -q -ra -m "slow or not slow" \
+        -p no:cacheprovider ${MATRIX_PYTEST_ARGS:-} "${INDUCTOR_TESTS[@]}" "${EXTRA_TESTS[@]}" \
         >"$venv/matrix-slow.log" 2>&1 || status=1
     slow=$(counts "$(tail -n 1 "$venv/matrix-slow.log")")
     read -r fp ff fs fe <<<"$fast"
