@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any, Callable
 
 import pytest
@@ -207,3 +208,27 @@ def test_recorded_entries_copy_without_their_checks() -> None:
     assert type(twin) is Recorded and tuple(twin) == tuple(entry)
     assert not hasattr(twin, "checks")  # made afresh when it is checked
     assert entry_checks(twin).kept(target.scope())
+
+
+def test_the_grouped_check_answers_as_each_assertion_would() -> None:
+    """Per kind, on one object: the grouped answer is :meth:`Assertion.holds`'s for each (a
+    NaN recorded by value never holds, even as the same object)."""
+    nan = float("nan")
+    holder = types.SimpleNamespace(x=nan, n=3, items=[1, 2], hooks={})
+    scope = {"bound": holder}
+
+    def made(name: str, kind: str, value: Any) -> Assertion:
+        return Assertion(name, kind, value, False, compile(name, "<test>", "eval"))
+
+    cases = [
+        made("bound.x", "value", nan),
+        made("bound.n", "value", 3),
+        made("bound.n", "value", 3.0),
+        made("bound.n", "type", int),
+        made("bound.items", "length", 2),
+        made("bound.hooks", "empty", None),
+        made("bound.items", "identity", holder.items),
+        made("bound.missing", "value", 1),
+    ]
+    for a in cases:
+        assert EntryChecks([a]).dropped(scope) is a.holds(scope), a

@@ -156,7 +156,7 @@ class _Plan:
                 if kind == "type" or kind == "value type":
                     ok = tuple(map(type, found)) == values
                 elif kind == "value":
-                    ok = found == values
+                    ok = all(map(operator.eq, found, values))  # as `==`, even for NaN
                 elif kind == "identity":
                     ok = all(map(operator.is_, found, values))
                 elif kind == "length":
