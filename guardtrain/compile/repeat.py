@@ -39,10 +39,10 @@ def repeat_key(key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, An
     call's tensors when its arguments are this call's types and plain values, else what
     ``call_key`` returns; :data:`same_as_call_key` where the call is not flat.
 
-    The comparison is made by C functions over the whole call (the argument types as one
-    tuple, the plain values by one ``itemgetter``), so its cost does not grow with the
-    number of arguments; tensors must be distinct, as when the key was made (a repeated
-    tensor adds a pattern to the key).
+    The comparison is two tuple comparisons made by C functions (the argument types, and
+    the plain values taken by one ``itemgetter``), with no Python step per argument;
+    tensors must be distinct, as when the key was made (a repeated tensor adds a pattern to
+    the key). A call without a tensor keeps ``call_key``.
     """
     if key is ONE_TENSOR:
         return same_as_call_key  # call_key's own fast path already
