@@ -105,7 +105,13 @@ def _sequence(tmp_path: Path, how: str, guarded: bool) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("how", ["new-callback", "same-callback", "same-trainer"])
+@pytest.mark.parametrize(
+    "how",  # about 17 s each: the dead run released by another callback in the default run
+    [
+        "new-callback",
+        *(pytest.param(h, marks=pytest.mark.slow) for h in ("same-callback", "same-trainer")),
+    ],
+)
 def test_keyboard_interrupt_in_train_then_train_again(tmp_path: Path, how: str) -> None:
     eager = _sequence(tmp_path / "eager", how, guarded=False)
     got = _sequence(tmp_path / "guarded", how, guarded=True)
