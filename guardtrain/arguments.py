@@ -103,13 +103,12 @@ class AdapterSignature:
         self.fields = tuple(p.name for p in fields)
         """The parameters that are ``config``'s fields."""
 
-    def bind(self, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(every parameter, the config's fields)`` of a call, defaults applied; the
-        ``TypeError`` Python raises for an unknown or missing argument."""
+    def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The config's fields of a call, defaults applied; the ``TypeError`` Python raises
+        for an unknown or missing argument."""
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        values = bound.arguments
-        return values, {name: values[name] for name in self.fields}
+        return {name: bound.arguments[name] for name in self.fields}
 
     def __call__(self, init: _Init) -> _Init:
         """Decorate the adapter's ``__init__``: its ``__signature__`` is :attr:`signature`."""

@@ -70,7 +70,7 @@ class GuardTuneCallback(EngineView, Callback):
 
     @_SIGNATURE
     def __init__(self, preset: PresetName = "auto", **arguments: Unpack[GuardArguments]) -> None:
-        _, fields = _SIGNATURE.bind(self, preset, **arguments)
+        fields = _SIGNATURE.bind(self, preset, **arguments)
         self.config: GuardConfig = GuardConfig(**fields)
         self._engine = GuardEngine(self.config, self._host(None))
 

@@ -144,7 +144,7 @@ class GuardTrainerCallback(EngineView, TrainerCallback):
 
     @_SIGNATURE
     def __init__(self, preset: PresetName = "auto", **arguments: Unpack[GuardArguments]) -> None:
-        _, fields = _SIGNATURE.bind(self, preset, **arguments)
+        fields = _SIGNATURE.bind(self, preset, **arguments)
         self.config: GuardConfig = GuardConfig(**fields)
         self._explicit_compile = set(fields["compile_kwargs"] or {})
         self._engine = GuardEngine(self.config, Host(owner=_OWNER))

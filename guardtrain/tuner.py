@@ -204,7 +204,7 @@ class GuardTuner(EngineView):
         optimizers: Any = None,
         **arguments: Unpack[GuardArguments],
     ) -> None:
-        _, fields = _SIGNATURE.bind(
+        fields = _SIGNATURE.bind(
             self, model, preset, fabric=fabric, optimizers=optimizers, **arguments
         )
         if not isinstance(model, nn.Module):

@@ -83,11 +83,13 @@ def stance_entry(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, A
     entry = stance_pick(target.code.trampoline, scope)
     if entry is None:
         return None
+    samples = target.guard_ns
+    if len(samples) >= GUARD_SAMPLES:  # timed enough: no clock on the calls after
+        return entry if _guard_check(entry.guard_manager, scope) else None
     start = _clock()
     if not _guard_check(entry.guard_manager, scope):
         return None
-    if len(target.guard_ns) < GUARD_SAMPLES:  # what a call with full guards spends on them
-        target.guard_ns.append(_clock() - start)
+    samples.append(_clock() - start)  # what a call with full guards spends on them
     return entry
 
 
