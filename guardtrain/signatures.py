@@ -20,13 +20,15 @@ from guardtrain.compile.caches import class_dicts
 
 __all__ = ["SameSignature", "batch_signature", "describe_signature"]
 
+_Tensor = torch.Tensor
+
 
 def batch_signature(batch: Any) -> Any:
     """Shapes, dtypes and devices of the tensors in ``batch``, as a hashable value.
 
     A tuple, list or dict (subclasses such as namedtuples and ``OrderedDict``
-    included) keeps its type and structure, with fast paths for a flat tuple,
-    list or dict of tensors. Any other container (a ``Mapping`` that is not a
+    included) keeps its type and structure; an exact tuple, list or dict reads
+    its tensors' metadata in place. Any other container (a ``Mapping`` that is not a
     ``dict``, such as HF's ``BatchEncoding``; a dataclass instance; any other
     collection that ``apply_to_collection`` walks) gives a :class:`_Container`:
     its type, its keys or field names, and per member either the tensor's
@@ -42,16 +44,30 @@ def batch_signature(batch: Any) -> Any:
         shapes, dtypes and devices in the same containers.
     """
     cls = type(batch)
-    if cls is tuple or cls is list:  # the common case: a flat tuple or list of tensors
-        try:
-            return (cls, tuple([(t.shape, t.dtype, t.device) for t in batch]))
-        except AttributeError:
-            pass
-    elif cls is dict:  # a flat dict of tensors
-        try:
-            return (cls, tuple([(k, (v.shape, v.dtype, v.device)) for k, v in batch.items()]))
-        except AttributeError:
-            pass
+    # The common cases, a tuple, list or dict of tensors and plain values (a model call's
+    # keyword arguments): a tensor's metadata read in place, anything else recursed into.
+    if cls is tuple or cls is list:
+        return (
+            cls,
+            tuple(
+                [
+                    (t.shape, t.dtype, t.device) if isinstance(t, _Tensor) else batch_signature(t)
+                    for t in batch
+                ]
+            ),
+        )
+    if cls is dict:
+        return (
+            cls,
+            tuple(
+                [
+                    (k, (v.shape, v.dtype, v.device))
+                    if isinstance(v, _Tensor)
+                    else (k, batch_signature(v))
+                    for k, v in batch.items()
+                ]
+            ),
+        )
     if isinstance(batch, torch.Tensor):
         return (batch.shape, batch.dtype, batch.device)
     if isinstance(batch, (tuple, list)):
