@@ -10,8 +10,8 @@ from torch import nn
 
 from guardtrain.compile import Miss, MissReason, grads
 from guardtrain.engine import findings as checks
-from guardtrain.engine.changes import Action, Change, Found, found_in
-from guardtrain.engine.findings import Checks, Finding
+from guardtrain.engine.changes import Action, Change, Found, found_in, revalidate
+from guardtrain.engine.findings import Checks
 from guardtrain.fingerprints import fingerprint_change, module_fingerprint
 
 
@@ -46,67 +46,52 @@ def _swapped(t: Any) -> Any:
     return t
 
 
-def test_boundary_finds_a_swapped_parameter_and_says_retake_under_fsdp() -> None:
+def test_a_swapped_parameter_rebuilds_but_under_fsdp_only_the_hooks_count() -> None:
     """Under a strategy that swaps parameters (FSDP) and without install_free_tensors, the
-    boundary re-check compares the hooks only and says to take the fingerprint again; with
-    no such strategy, or with install_free_tensors, a swapped parameter rebuilds."""
+    check compares the fingerprint's hooks only (before a call and at a boundary alike)
+    and leaves the fingerprint as it is; with no such strategy, or with
+    install_free_tensors, a swapped parameter rebuilds."""
     plain = _swapped(_target(nn.Linear(2, 2)))
     replaced = "parameter 'weight' was replaced by another tensor object"
-    assert Checks().boundary(plain, "lin") == Finding(
-        rebuild=Found(Action.REBUILD, Change.PARAMETERS, replaced)
-    )
-    fsdp = _swapped(_target(nn.Linear(2, 2)))
-    before = fsdp.reference
-    assert Checks().boundary(fsdp, "lin", "accelerate's FSDP") == Finding(retake=True)
-    assert fsdp.reference is before  # the engine takes it again, not the check
+    assert revalidate(plain, True, None) == Found(Action.REBUILD, Change.PARAMETERS, replaced)
+    for under_stance in (True, False):
+        fsdp = _swapped(_target(nn.Linear(2, 2)))
+        before = fsdp.reference
+        assert revalidate(fsdp, under_stance, "accelerate's FSDP") is None
+        assert fsdp.reference is before  # the check never acts on the target
     free = _swapped(_target(nn.Linear(2, 2), free=True))
-    assert Checks().boundary(free, "lin", "accelerate's FSDP").rebuild is not None
+    found = revalidate(free, True, "accelerate's FSDP")
+    assert found is not None and found.action is Action.REBUILD
     hooked = _swapped(_target(nn.Linear(2, 2)))
     hooked.module.register_forward_hook(lambda *a: None)
-    assert Checks().boundary(hooked, "lin", "accelerate's FSDP") == Finding(
-        rebuild=Found(Action.REBUILD, Change.HOOKS, "a forward hook was added to '<root>'")
+    assert revalidate(hooked, True, "accelerate's FSDP") == Found(
+        Action.REBUILD, Change.HOOKS, "a forward hook was added to '<root>'"
     )
 
 
-def test_boundary_finds_a_stale_or_unmatched_assertion() -> None:
+def test_a_stale_assertion_rebuilds_and_an_unmatched_one_leaves_only_under_the_stance() -> None:
     stale = _target(nn.Linear(2, 2), check_assertions=lambda: ("x == 1", None))
-    rebuild = Checks().boundary(stale, "lin").rebuild
-    assert rebuild == Found(
+    assert revalidate(stale, False, None) == Found(
         Action.REBUILD, Change.MODULE_STATE, "x == 1 (a guard that was dropped or skipped)"
     )
     unmatched = _target(nn.Linear(2, 2), check_assertions=lambda: (None, "self.p == 2"))
-    assert Checks().boundary(unmatched, "lin") == Finding(leave="self.p == 2")
-    assert Checks().boundary(_target(nn.Linear(2, 2)), "lin") == Finding()
+    assert revalidate(unmatched, True, None) == Found(
+        Action.LEAVE, Change.MODULE_STATE, "self.p == 2"
+    )
+    assert revalidate(unmatched, False, None) is None
+    assert revalidate(_target(nn.Linear(2, 2)), True, None) is None
 
 
-def test_boundary_finds_code_dynamo_skipped_once_per_target() -> None:
+def test_code_dynamo_skipped_is_found_once_per_target() -> None:
     """A called target without entries: Dynamo skipped its code (H18); rebuilt once."""
     ch = Checks()
     skipped = _target(nn.Linear(2, 2), calls=3, cache_entries=lambda: 0)
-    rebuild = ch.boundary(skipped, "lin").rebuild
-    assert rebuild == Found(
+    assert ch.skipped_code(skipped, "lin") == Found(
         Action.REBUILD, Change.SKIPPED, "Dynamo skipped its code, it ran uncompiled"
     )
     assert ch.skipped == ["lin"]
-    assert ch.boundary(skipped, "lin").rebuild is None
-
-
-def test_caught_change_under_fsdp_says_forget_and_leaves_the_target() -> None:
-    t = _swapped(_target(nn.Linear(2, 2)))
-    found = checks.caught_change(t, "accelerate's FSDP")
-    assert found is not None and found.action is Action.FORGET
-    assert found.kind is Change.PARAMETERS
-    again = checks.caught_change(_swapped(_target(nn.Linear(2, 2))), None)
-    assert again is not None and again.action is Action.REBUILD
-
-
-def test_caught_change_leaves_the_stance_only_under_it() -> None:
-    unmatched = _target(nn.Linear(2, 2), check_assertions=lambda: (None, "self.p == 2"))
-    assert checks.caught_change(unmatched, None) == Found(
-        Action.LEAVE, Change.MODULE_STATE, "self.p == 2"
-    )
-    unmatched.under_stance = False
-    assert checks.caught_change(unmatched, None) is None
+    assert ch.skipped_code(skipped, "lin") is None
+    assert ch.skipped_code(_target(nn.Linear(2, 2), calls=3), "other") is None
 
 
 class HookProj(nn.Module):

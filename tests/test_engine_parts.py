@@ -11,18 +11,18 @@ import pytest
 import torch
 
 from guardtrain.compile import Miss, MissReason, grads
-from guardtrain.engine import findings as checks_module
 from guardtrain.engine import levers as _levers
+from guardtrain.engine import repairs as repairs_module
 from guardtrain.engine.agreement import SingleProcess
 from guardtrain.engine.batch_checks import BatchChecks
 from guardtrain.engine.changes import Action, Change, Found
 from guardtrain.engine.config import make_config
-from guardtrain.engine.findings import Checks, Finding
 from guardtrain.engine.host import Host
 from guardtrain.engine.phases import PhaseMachine
 from guardtrain.engine.process import PROCESS
 from guardtrain.engine.repairs import Repairs
 from guardtrain.engine.run import Run
+from guardtrain.fingerprints import module_fingerprint
 from guardtrain.profiling import CompileMonitor
 
 
@@ -38,6 +38,7 @@ class FakeTarget:
         )
         self.reference = None
         self.handed_over: str | None = None
+        self.under_stance = True
         self.direct_allowed = False
         self.mixed = False
 
@@ -178,23 +179,31 @@ def test_a_miss_counts_its_change_stops_the_checks_and_rearms() -> None:
     assert run.machine.rearms[0]["reason"] == "net: a new int"
 
 
-def test_a_swap_under_fsdp_forgets_the_fingerprint_and_nothing_else(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_swap_under_fsdp_is_no_change_before_a_call() -> None:
+    """FSDP swaps the parameter objects around every forward: without install_free_tensors
+    the check before a call compares the hooks only, and nothing is done or counted."""
     t = FakeTarget("net")
+    t.module = torch.nn.Linear(2, 2)
+    t.reference = module_fingerprint(t.module)
+    t.code.install_free_tensors = False
+    vars(t).update(under_stance=True, tensor_attribute=None, check_assertions=lambda: (None, None))
     run = _run(t)
-    found = Found(Action.FORGET, Change.PARAMETERS, "parameter 'w' was replaced")
-    monkeypatch.setattr(checks_module, "caught_change", lambda target, swaps: found)
+    run.state.swaps_parameters = "accelerate's FSDP"
+    t.module.weight = torch.nn.Parameter(t.module.weight.detach().clone())  # FSDP's swap
     Repairs(run).on_change(t, "a module write")
-    assert t.done == ["forget"] and run.machine.rearms == []
+    assert t.done == [] and run.machine.rearms == []
     assert run.state.caught.summary() == {}
+    run.state.swaps_parameters = None  # without FSDP the same swap rebuilds
+    Repairs(run).on_change(t, "a module write")
+    assert t.done == ["forget", "rebuild"], t.done
+    assert run.state.caught.summary()["parameters"]["count"] == 1
 
 
 def test_a_caught_rebuild_rebuilds_and_rearms_every_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     t = FakeTarget("net")
     run = _run(t)
     found = Found(Action.REBUILD, Change.HOOKS, "hooks of 'net' changed")
-    monkeypatch.setattr(checks_module, "caught_change", lambda target, swaps: found)
+    monkeypatch.setattr(repairs_module, "revalidate", lambda target, under, swaps: found)
     Repairs(run).on_change(t, "a hook")
     assert t.done == ["forget", "rebuild"]
     assert run.machine.rearms[0]["reason"] == "net: hooks of 'net' changed; recompiling"
@@ -212,7 +221,7 @@ def test_rebuilds_count_against_the_compile_margin_then_the_target_is_confined(
     run = _run(t)
     run.config = dataclasses.replace(run.config, targets=["net"])  # no split: a hand-over
     found = Found(Action.REBUILD, Change.HOOKS, "a forward hook was added to 'net'")
-    monkeypatch.setattr(checks_module, "caught_change", lambda target, swaps: found)
+    monkeypatch.setattr(repairs_module, "revalidate", lambda target, under, swaps: found)
     handed: list[str] = []
     monkeypatch.setattr(
         Repairs, "hand_over", lambda self, target, why, change=None: handed.append(why)
@@ -290,38 +299,34 @@ def test_entry_with_several_processes_is_every_ranks_vote() -> None:
     assert run.machine.phase("train") == "steady" and run.state.entered_together
 
 
-class FoundChecks(Checks):
-    """Checks whose boundary finds what the test says."""
-
-    found: Finding = Finding()
-
-    def boundary(self, target: Any, label: str, swaps_parameters: str | None = None) -> Finding:
-        return type(self).found
-
-
 @pytest.mark.parametrize(
     ("found", "done", "phase"),
     [
-        (Finding(retake=True), ["retake"], "steady"),
-        (Finding(leave="self.p == 2"), [("steady", False)], "warmup"),
+        (Found(Action.LEAVE, Change.MODULE_STATE, "self.p == 2"), [("steady", False)], "warmup"),
         (
-            Finding(rebuild=Found(Action.REBUILD, Change.HOOKS, "a hook")),
+            Found(Action.REBUILD, Change.HOOKS, "a hook"),
             ["forget", "rebuild", ("steady", False)],
             "warmup",
         ),
-        (Finding(), [], "steady"),
+        (None, [], "steady"),
     ],
 )
 def test_the_boundary_acts_on_what_the_check_found(
-    monkeypatch: pytest.MonkeyPatch, found: Finding, done: list[Any], phase: str
+    monkeypatch: pytest.MonkeyPatch, found: Found | None, done: list[Any], phase: str
 ) -> None:
+    seen: list[bool] = []
+
+    def check(target: Any, under_stance: bool, swaps: Any) -> Found | None:
+        seen.append(under_stance)
+        return found
+
+    monkeypatch.setattr(repairs_module, "revalidate", check)
     t = FakeTarget("net")
     run = _run(t)
-    monkeypatch.setattr(FoundChecks, "found", found)
-    run.checks = FoundChecks()
     repairs, batches = _parts(run)
     _steady(run)
     repairs.set_steady(True)
     t.done.clear()
     batches.boundary("train")
     assert t.done == done and run.machine.phase("train") == phase
+    assert seen == [True]  # a steady loop: an unmatched assertion leaves the stance

@@ -25,18 +25,17 @@ from guardtrain.compile.watch import class_dict, module_dicts, owner_dict
 from guardtrain.filters import SAVED_TENSORS_HOOKS, is_rechecked
 
 __all__ = [
-    "GroupValues",
     "Assertion",
     "Recorded",
     "attribute_names",
     "check",
     "global_assertions",
     "global_path",
-    "group_values",
     "guard_code",
     "kept_global_assertions",
     "polled_objects",
     "plain_attributes",
+    "reads_state_values",
     "recorded_guards",
     "user_path",
 ]
@@ -500,50 +499,24 @@ def _closest_entry_failures(
     return best
 
 
-# -- what a compiled optimizer step's guards assert of its param groups (H49) ----------------
+# -- what a compiled optimizer step's guards read of the per-parameter state (H49) -----------
 
-_GROUP = re.compile(r"^bound\.__self__\.param_groups\[(\d+)\]\['([^']+)'\]")
-_SHAPE_SOURCE = re.compile(r"L\['bound'\]\.__self__\.param_groups\[(\d+)\]\['([^']+)'\]")
-_NOT_NAN = re.compile(
-    r"^not math\.isnan\(L\['bound'\]\.__self__\.param_groups\[\d+\]\['[^']+'\]\)$"
-)
 _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
 
 
-@dataclass(frozen=True, slots=True)
-class GroupValues:
-    """What one compile's guards assert of an optimizer's param groups: the ``(group,
-    key)`` they pin (any guard on it or below it but a type check), and those only checked
-    for NaN (a float Dynamo made an input: ``not math.isnan(...)`` its one symbolic guard)."""
-
-    pinned: frozenset[tuple[int, str]]
-    inputs: frozenset[tuple[int, str]]
-    state_values: bool = False
-    """A guard reads a plain value of the per-parameter state (a custom optimizer's Python
-    counter, pinned or symbolic): the direct step does not compare those, so the entry
-    never runs directly."""
-
-
-def group_values(guards: Sequence[Any]) -> GroupValues:
-    """:class:`GroupValues` from the guards a compile passes to its guard filter."""
-    pinned: set[tuple[int, str]] = set()
-    symbolic: set[tuple[int, str]] = set()
-    state_values = False
+def reads_state_values(guards: Sequence[Any]) -> bool:
+    """Whether a compiled optimizer step's guards (as its guard filter gets them) read a
+    plain value of the per-parameter state (a custom optimizer's Python counter, pinned or
+    symbolic): the direct step polls the state's dictionaries, not what they hold, so such
+    an entry never runs directly."""
     for guard in guards:
         if ".state[" in guard.name and guard.guard_type in _VALUE_GUARDS:
-            state_values = True
-        if guard.guard_type == "SHAPE_ENV":
-            for text in getattr(guard.orig_guard, "code_list", None) or ["?"]:
-                found = {(int(i), k) for i, k in _SHAPE_SOURCE.findall(text)}
-                (symbolic if _NOT_NAN.match(text) else pinned).update(found)
-                state_values = state_values or ".state[" in text
-            continue
-        match = _GROUP.match(guard.name)
-        if match is None:
-            continue
-        if guard.name != match[0] or guard.guard_type != "TYPE_MATCH":
-            pinned.add((int(match[1]), match[2]))
-    return GroupValues(frozenset(pinned), frozenset(symbolic - pinned), state_values)
+            return True
+        if guard.guard_type == "SHAPE_ENV" and any(
+            ".state[" in text for text in getattr(guard.orig_guard, "code_list", None) or ()
+        ):
+            return True
+    return False
 
 
 # -- the symbolic sizes in Dynamo's tensor checks (H53) -----------------------------------------

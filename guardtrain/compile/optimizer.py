@@ -22,9 +22,11 @@ hyperparameter, and its entries have no diff guards: the stance raises on them.
   which gradients are ``None``, and the gradients' metadata. Its cost per step is a few
   C calls plus a pass over the gradients.
 
-A scheduled float ``lr`` changes a value the guards read: that step runs with full guards
-(Dynamo recompiles once, at the second value, and then takes the value as an input) and
-the next ones directly again. ``load_state_dict`` rewrites the optimizer's ``__dict__``;
+A written hyperparameter (a scheduled float ``lr``) or a written parameter's state is
+asked of the harvested entry's own guard manager, as Dynamo would ask it: where that entry
+is still the first to accept the step, the step runs it directly (Dynamo recompiles once,
+at the lr's second value, and then takes it as an input); else with full guards.
+``load_state_dict`` rewrites the optimizer's ``__dict__``;
 ``add_param_group`` lengthens the list; a frozen parameter's gradient is ``None``; the
 first step creates the state; a tensor assigned by hand into ``opt.state[p]`` writes that
 parameter's state; a module-level flag of ``torch.optim`` assigned writes its namespace:
@@ -42,7 +44,6 @@ Refused (:func:`refusal`): ``LBFGS`` (its closure runs many times inside its upd
 from __future__ import annotations
 
 import collections
-import math
 import operator
 import types
 import weakref
@@ -64,10 +65,9 @@ from guardtrain._torch import (
 )
 from guardtrain.compile.accept import first_accepting
 from guardtrain.compile.assertions import (
-    GroupValues,
-    group_values,
     kept_global_assertions,
     polled_objects,
+    reads_state_values,
 )
 from guardtrain.compile.direct import DirectEntry, live_codes
 from guardtrain.compile.options import build_compile_kwargs
@@ -99,6 +99,9 @@ _Tensor = torch.Tensor
 _pre_hooks = optimizer_pre_hooks
 _post_hooks = optimizer_post_hooks
 _MISSING = object()
+_SERVABLE = frozenset({"hyperparameters", "state"})
+"""The changes the harvested entry's guard manager is asked about before a full step: a
+hyperparameter written (a scheduled lr), a parameter's state written."""
 _RECOMPILE_LIMIT: type[BaseException] = RecompileLimitHit
 
 
@@ -148,6 +151,7 @@ class StepCheck:
         "items",
         "lists",
         "mask",
+        "namespaces",
         "params",
         "polled",
         "state_total",
@@ -167,6 +171,7 @@ class StepCheck:
         self.params = tuple(p for g in groups for p in g["params"])
         state = optimizer.state
         self.states = [state[p] for p in self.params if p in state]
+        self.namespaces = namespaces
         self.polled = Polled([state, *self.states, *namespaces])
         self.state_total = sum(map(_dict_version, [state, *self.states]))
         mask = [p.grad is None for p in self.params]
@@ -176,7 +181,7 @@ class StepCheck:
 
     def change(self, optimizer: torch.optim.Optimizer) -> str | None:
         """What changed since the entry was harvested, or None (the step may run it)."""
-        return self._structure_change(optimizer) or self._tensor_change()
+        return self._structure_change(optimizer) or self.tensor_change()
 
     def _structure_change(self, optimizer: torch.optim.Optimizer) -> str | None:
         """The optimizer's attributes, groups, parameter lists and polled dicts."""
@@ -197,7 +202,7 @@ class StepCheck:
             return self._moved()
         return None
 
-    def _tensor_change(self) -> str | None:
+    def tensor_change(self) -> str | None:
         """The gradients' presence and metadata, the global state, the entry's life."""
         grads = list(map(_grad, self.params))
         direct, mask = self.direct, self.mask
@@ -226,48 +231,12 @@ class StepCheck:
         states = self.polled.dicts[: len(self.states) + 1]
         return "state" if sum(map(_dict_version, states)) != self.state_total else "globals"
 
-    def values_moved(self, optimizer: torch.optim.Optimizer, values: GroupValues | None) -> bool:
-        """Whether every group value that changed is a float the entry takes as an input
-        (``values``: what its compile's guards assert of the groups), not NaN; if so the
-        check takes the new values. Called after :meth:`change` said ``hyperparameters``."""
-        if values is None:
-            return False
-        moved: list[tuple[int, tuple[tuple[str, Any], ...]]] = []
-        for i, (group, items) in enumerate(zip(optimizer.param_groups, self.items)):
-            now = tuple(group.items())
-            if [k for k, _ in now] != [k for k, _ in items]:
-                return False
-            for (key, value), (_, then) in zip(now, items):
-                if _same(value, then):
-                    continue
-                if (
-                    type(value) is not float
-                    or type(then) is not float
-                    or (i, key) not in values.inputs
-                    or math.isnan(value)
-                ):
-                    return False
-            moved.append((i, now))
-        for i, now in moved:
-            self.items[i] = now
-        self.versions = [_dict_version(g) for g in self.groups]
-        return True
-
 
 def _same_items(now: list[Any], then: list[Any]) -> bool:
     """Whether a ``params`` list holds the same objects as its copy, by identity (a list's
     ``==`` would fall back to a tensor's own ``==``, which a one-element tensor answers
     True for another object)."""
     return len(now) == len(then) and all(map(operator.is_, now, then))
-
-
-def _same(now: Any, then: Any) -> bool:
-    """A group's value is unchanged: the same object, or an equal plain value."""
-    if now is then:
-        return True
-    if isinstance(now, _Tensor) or isinstance(then, _Tensor):
-        return False
-    return type(now) is type(then) and bool(now == then)
 
 
 CompileHook = Callable[[str, "str | None"], None]
@@ -301,10 +270,11 @@ class CompiledStep:
         self.compiled = torch.compile(
             trampoline_function(self.trampoline, self.closure, shared=False), **kwargs
         )
-        self.recorded: list[tuple[GroupValues, list[Any]]] = []
-        """Per compile of this step: what its guards assert of the groups, and the
-        namespaces whose globals they read."""
-        self.values: dict[int, tuple[Any, GroupValues, list[Any]]] = {}
+        self.recorded: list[tuple[bool, list[Any]]] = []
+        """Per compile of this step: whether its guards read a plain value of the
+        per-parameter state (:func:`reads_state_values`), and the namespaces whose globals
+        they read."""
+        self.values: dict[int, tuple[Any, bool, list[Any]]] = {}
         """``id(entry code)`` -> ``(that code, what its compile recorded)``: the code is
         compared by identity, as a forgotten code's id may be reused."""
         self.check: StepCheck | None = None
@@ -329,7 +299,7 @@ class CompiledStep:
         keep = [True] * len(guards)
         scope = {"G": TRAMPOLINE_GLOBALS, CLOSURE_NAME: self.bound}
         found = polled_objects([tuple(kept_global_assertions(guards, keep))], scope)[0]
-        self.recorded.append((group_values(guards), found))
+        self.recorded.append((reads_state_values(guards), found))
         if self.on_compile is not None:
             self.on_compile(f"{self.name}.step", compiling_frame()[1])
         return keep
@@ -375,8 +345,10 @@ class CompiledStep:
         if check is not None:
             change, served = self.decide(check)
             if change is None:
-                if served:
+                if served:  # the check taken afresh, of the same entry
                     self.changes["hyperparameters, served directly"] += 1
+                    check = self.check
+                    assert check is not None
                 check.direct.fn()
                 self.direct_steps += 1
                 return
@@ -385,16 +357,25 @@ class CompiledStep:
 
     def decide(self, check: StepCheck) -> tuple[str | None, bool]:
         """The direct path's check before a step: what changed since the entry was
-        harvested (None: run it), and whether hyperparameters the entry takes as inputs
-        moved (a scheduled lr: the check takes them, then checks everything after them)."""
+        harvested (None: run it), and whether a moved hyperparameter or state value was
+        served (a scheduled lr the entry takes as an input).
+
+        A hyperparameter written, or a parameter's state, is asked of the harvested
+        entry's own guard manager, as Dynamo would ask it: where it is still the first
+        entry that accepts the step, the check takes the optimizer as it is now and
+        checks again (the gradients, the global state)."""
         change = check.change(self.optimizer)
-        recorded = self._values_of(check.direct.code)
-        if change == "hyperparameters" and check.values_moved(
-            self.optimizer, None if recorded is None else recorded[0]
-        ):
-            change = check.change(self.optimizer)
-            return change, change is None
-        return change, False
+        if change not in _SERVABLE or cache_entry_list is None:
+            return change, False
+        tensors = check.tensor_change()  # what it names is cheaper, and more precise
+        if tensors is not None:
+            return tensors, False
+        found = first_accepting(self.trampoline, self._scope())
+        if found is None or found[0].code is not check.direct.code:
+            return change, False
+        self.check = check = StepCheck(self.optimizer, check.direct, check.namespaces)
+        change = check.change(self.optimizer)
+        return change, change is None
 
     def _full(self) -> None:
         """A step with full guards (Dynamo may compile), then the entry it ran harvested."""
@@ -402,7 +383,11 @@ class CompiledStep:
         if self._guarded():
             self._harvest()
 
-    def _values_of(self, code: Any) -> tuple[GroupValues, list[Any]] | None:
+    def _scope(self) -> dict[str, Any]:
+        """The step's frame locals, as its entries' guard managers read them."""
+        return {"args": (), "kwargs": {}, CLOSURE_NAME: self.bound}
+
+    def _values_of(self, code: Any) -> tuple[bool, list[Any]] | None:
         """What the compile of the entry whose code is ``code`` recorded, or None."""
         found = self.values.get(id(code))
         return None if found is None or found[0] is not code else (found[1], found[2])
@@ -432,13 +417,13 @@ class CompiledStep:
         harvested entry is, with the step's :class:`StepCheck`."""
         if cache_entry_list is None or live_codes is None:
             return
-        scope = {"args": (), "kwargs": {}, CLOSURE_NAME: self.bound}
+        scope = self._scope()
         found = first_accepting(self.trampoline, scope)
         if found is None:
             return
         entry = found[0]
         recorded = self._values_of(entry.code)
-        if recorded is None or recorded[0].state_values:
+        if recorded is None or recorded[0]:
             return  # what the entry's guards read is not all in the check: full guards
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]

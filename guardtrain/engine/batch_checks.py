@@ -12,7 +12,7 @@ acted on through :class:`~guardtrain.engine.repairs.Repairs`.
 
 from __future__ import annotations
 
-from guardtrain.compile import CompiledTarget, grad_change, grad_moved, use_grad_variant
+from guardtrain.compile import CompiledTarget
 from guardtrain.engine import decisions, findings
 from guardtrain.engine.changes import Action, Change, Found
 from guardtrain.engine.phases import LoopState, Phase
@@ -97,20 +97,19 @@ class BatchChecks:
         ``loop`` leaves the stance when no entry's kept guards hold."""
         r, repairs = self.run, self.repairs
         rebuild: list[tuple[CompiledTarget, Found]] = []
+        steady = r.machine.steady(loop)
         for target in r.targets.installed:
             if target.handed_over is not None:
                 continue  # full guards, as plain compile (H51)
-            if grad_moved(target):  # every rank at once, also with paired calls (H42)
-                change = f"{repairs.label(target)}: {grad_change(target)}"
-                repairs.caught(Change.REQUIRES_GRAD, change)
-                use_grad_variant(target)
-            found = r.checks.boundary(target, repairs.label(target), r.state.swaps_parameters)
-            if found.retake:
-                target.take_reference()
-            if found.rebuild is not None:
-                rebuild.append((target, found.rebuild))
-            elif found.leave is not None and r.machine.steady(loop):
-                repairs.rearm(loop, f"{repairs.label(target)}: {found.leave}")
+            # Every rank at once, also with paired calls (a requires_grad switch, H42).
+            label = repairs.label(target)
+            found = r.checks.skipped_code(target, label) or repairs.revalidate(target, steady)
+            if found is None:
+                continue
+            if found.action is Action.LEAVE:
+                repairs.rearm(loop, f"{label}: {found.detail}")
+            else:
+                rebuild.append((target, found))
         self._rebuild_all(rebuild)
 
     def _rebuild_all(self, rebuild: list[tuple[CompiledTarget, Found]]) -> None:

@@ -1,7 +1,8 @@
-"""Changes made between two calls: what a check finds, what to do, and the count by kind.
+"""Changes made between two calls: what the check finds, what to do, and the count by kind.
 
-The check is the one loop boundaries run (H33), done before a call when an event or
-a namespace version says that something a target reads may have changed:
+:func:`revalidate` is the one check: at loop boundaries and audits (H33), and before a
+call when an event or a namespace version says that something a target reads may have
+changed:
 
 * the module's fingerprint moved (a replaced parameter or buffer, a hook added or
   removed): the compiled entries assumed the old objects, and Dynamo would not
@@ -17,7 +18,7 @@ a namespace version says that something a target reads may have changed:
 * the parameters' ``requires_grad`` moved (H42): **switch** to the code compiled for
   the new pattern, kept from earlier (:mod:`guardtrain.compile.grads`), and check again.
 
-:func:`decide` returns a :class:`Found`, a record (what to do, the kind of change, whose
+:func:`revalidate` returns a :class:`Found`, a record (what to do, the kind of change, whose
 hooks, the words for people); the engine acts on its fields, never on its words, and
 :class:`ChangeLog` counts each kind for ``summary()["caught_changes"]``.
 """
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple
 from guardtrain.compile import grad_change, grad_moved
 from guardtrain.fingerprints import ModuleChange, fingerprint_change, module_fingerprint
 
-__all__ = ["Action", "Change", "ChangeLog", "Found", "decide", "found_in", "stale_found"]
+__all__ = ["Action", "Change", "ChangeLog", "Found", "found_in", "revalidate", "stale_found"]
 
 
 class Change(enum.StrEnum):
@@ -60,9 +61,6 @@ class Action(enum.StrEnum):
     """Leave the stance: the call runs with full guards and Dynamo recompiles."""
     SWITCH = "switch"
     """Run the code of the parameters' new ``requires_grad`` pattern (H42)."""
-    FORGET = "forget"
-    """No change: FSDP swapped the parameter objects, which are graph inputs without
-    ``install_free_tensors``; forget the fingerprint, taken again after the next compile."""
 
 
 class Found(NamedTuple):
@@ -87,11 +85,18 @@ def found_in(change: ModuleChange, action: Action = Action.REBUILD) -> Found:
     return Found(action, kind, change.detail, change.hooks_of)
 
 
-def decide(target: Any, under_stance: bool) -> Found | None:
+def revalidate(target: Any, under_stance: bool, swaps_parameters: str | None) -> Found | None:
     """What a change in ``target`` calls for, or None when its entries still fit.
 
-    Walks the module (its fingerprint) and evaluates its assertions: run only after
-    an event or a moved version, never per call.
+    The one check of a target's entries against its module: before a call when an event
+    or a moved version says something it reads may have changed, at loop boundaries and at
+    audits; never per call. In order: the parameters' ``requires_grad`` pattern, a tensor
+    held as a plain attribute, the module's fingerprint (a walk), the recorded assertions.
+    A leave is said only ``under_stance`` (outside it Dynamo checks every guard itself).
+
+    ``swaps_parameters`` (FSDP): it swaps the parameter objects around every forward by
+    design, and without ``install_free_tensors`` they are graph inputs read afresh by
+    every call, so only the fingerprint's hook rows are compared.
     """
     if grad_moved(target):
         return Found(Action.SWITCH, Change.REQUIRES_GRAD, grad_change(target))
@@ -103,7 +108,10 @@ def decide(target: Any, under_stance: bool) -> Found | None:
         target.free_tensors_off(f"{detail}: install_free_tensors would keep the old one")
         return Found(Action.REBUILD, Change.PARAMETERS, detail)
     if target.reference is not None:
-        change = fingerprint_change(target.reference, module_fingerprint(target.module))
+        then, now = target.reference, module_fingerprint(target.module)
+        if swaps_parameters and not target.code.install_free_tensors:
+            then, now = _hook_rows(then), _hook_rows(now)
+        change = fingerprint_change(then, now)
         if change is not None:
             return found_in(change)
     stale, unmatched = target.check_assertions()
@@ -112,6 +120,11 @@ def decide(target: Any, under_stance: bool) -> Found | None:
     if unmatched is not None and under_stance:
         return Found(Action.LEAVE, _assertion_kind(target), unmatched)
     return None
+
+
+def _hook_rows(fingerprint: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The hook rows of a :func:`module_fingerprint` (no parameter or buffer rows)."""
+    return tuple(row for row in fingerprint if row[0] == "hooks")
 
 
 def stale_found(target: Any, stale: str) -> Found:

@@ -1,7 +1,7 @@
-"""Checks: loop boundaries, changes caught before a call, misses, audits. They find.
+"""Checks: audits, verify batches, code Dynamo skipped, misses. They find.
 
 Each check reads the targets and returns what it found; the engine acts on it
-(re-arms, rebuilds, takes a reference again, counts a caught change), as Lightning's
+(re-arms, rebuilds, counts a caught change), as Lightning's
 ``EarlyStopping`` returns ``(should_stop, reason)`` for its hook to act on. No check
 changes a target, a phase or a cache. :class:`Checks` holds what the checks of one run
 remember: which check the current batch is, the targets skipped once, and the counts
@@ -15,11 +15,10 @@ from typing import Any
 
 from guardtrain.compile import CompiledTarget, Miss, MissReason
 from guardtrain.engine import decisions
-from guardtrain.engine.changes import Action, Change, Found, decide, found_in, stale_found
+from guardtrain.engine.changes import Action, Change, Found
 from guardtrain.engine.config import GuardConfig
-from guardtrain.fingerprints import fingerprint_change, module_fingerprint
 
-__all__ = ["Checks", "Finding", "audit_reason", "caught_change", "miss"]
+__all__ = ["Checks", "audit_reason", "miss"]
 
 
 @dataclass(slots=True)
@@ -71,57 +70,15 @@ class Checks:
             self.audit_again = False
         self.audit_batch = self.audit_unseen = False
 
-    def boundary(
-        self, target: CompiledTarget, label: str, swaps_parameters: str | None = None
-    ) -> Finding:
-        """What the boundary re-check finds in ``target`` (:class:`Finding`).
-
-        ``rebuild`` says why its entries no longer fit (a changed fingerprint, a stale
-        dropped guard, code that Dynamo skipped, H18); else ``leave`` says why no
-        entry's kept guards hold (a steady loop leaves the stance).
-
-        ``swaps_parameters`` (FSDP): without install_free_tensors a swapped parameter is
-        no change, as in :func:`caught_change`. The boundary may see the sharded
-        parameters where the reference, taken inside a forward, saw the gathered ones
-        (the Trainer's hooks: FSDP2 keeps the root's group gathered until backward), so
-        only the hooks are compared (``retake``: take the reference again as it is here).
-        """
+    def skipped_code(self, target: CompiledTarget, label: str) -> Found | None:
+        """At a boundary: a called target without entries, whose code Dynamo marked
+        skipped (a call under a dispatch mode that guardtrain did not see, H18), is rebuilt
+        once (a fresh code object compiles); None otherwise."""
         if target.calls and target.cache_entries() == 0 and label not in self.skipped:
-            # Dynamo marked the code skipped, e.g. after a call under a dispatch
-            # mode that guardtrain did not see (H18): a fresh code object compiles.
             self.skipped.append(label)
             skipped = "Dynamo skipped its code, it ran uncompiled"
-            return Finding(rebuild=Found(Action.REBUILD, Change.SKIPPED, skipped))
-        change, retake = None, False
-        if target.reference is not None:
-            now = module_fingerprint(target.module)
-            change = fingerprint_change(target.reference, now)
-            if change is not None and swaps_parameters and not target.code.install_free_tensors:
-                change = fingerprint_change(_hook_rows(target.reference), _hook_rows(now))
-                retake = change is None
-        stale, unmatched = target.check_assertions()
-        if change is not None:
-            return Finding(rebuild=found_in(change))
-        if stale is not None:
-            return Finding(rebuild=stale_found(target, stale))
-        return Finding(leave=unmatched, retake=retake)
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    """What the boundary re-check found in one target; the engine acts on it."""
-
-    rebuild: Found | None = None
-    """Why its entries no longer fit: it is rebuilt."""
-    leave: str | None = None
-    """Why no entry's kept guards hold: a steady loop leaves the stance."""
-    retake: bool = False
-    """Under FSDP, only swapped parameters moved: the reference is taken again."""
-
-
-def _hook_rows(fingerprint: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The hook rows of a :func:`module_fingerprint` (no parameter or buffer rows)."""
-    return tuple(row for row in fingerprint if row[0] == "hooks")
+            return Found(Action.REBUILD, Change.SKIPPED, skipped)
+        return None
 
 
 def audit_reason(events: list[dict[str, Any]]) -> str:
@@ -131,26 +88,6 @@ def audit_reason(events: list[dict[str, Any]]) -> str:
         f"audit batch compiled with full guards ({event.get('reason', 'unknown')}): "
         "the stance was running code whose guards no longer held"
     )
-
-
-def caught_change(target: CompiledTarget, swaps_parameters: str | None) -> Found | None:
-    """The check before a call (H33): what a change in ``target`` calls for, or None.
-
-    FSDP swaps the parameter objects around every forward by design: without
-    install_free_tensors they are graph inputs, read afresh by every call, so a
-    swap there is no change: :attr:`~guardtrain.engine.changes.Action.FORGET` (the
-    fingerprint is taken again after the next compile).
-    """
-    found = decide(target, target.under_stance)
-    if found is None:
-        return None
-    if (
-        found.kind is Change.PARAMETERS
-        and swaps_parameters
-        and not target.code.install_free_tensors
-    ):
-        return found._replace(action=Action.FORGET)  # the reference is taken after the compile
-    return found
 
 
 def miss(label: str, miss: Miss, checking: str | None, paired: bool) -> tuple[Change | None, str]:

@@ -15,7 +15,7 @@ from guardtrain.compile.direct import whole
 from guardtrain.compile.trampoline import cache_entry_list
 from guardtrain.engine import breaks as _breaks
 from guardtrain.engine import findings
-from guardtrain.engine.changes import Action, Change, Found
+from guardtrain.engine.changes import Action, Change, Found, revalidate
 from guardtrain.engine.handover import CHECK_WINDOW, checks_over
 from guardtrain.engine.run import TRAIN, Run
 from guardtrain.engine.targets import breaks_of, label, regions
@@ -79,17 +79,8 @@ class Repairs:
             # rank runs: the change waits for the next boundary or audit, which every
             # rank runs together.
             return
-        found = findings.caught_change(target, r.state.swaps_parameters)
-        if found is not None and found.action is Action.SWITCH:
-            # Frozen or unfrozen (H42): the code of the new pattern, kept from its last
-            # use, is checked like any other before it runs.
-            self.caught(found.kind, f"{self.label(target)}: {found.detail} ({note})")
-            use_grad_variant(target)
-            found = findings.caught_change(target, r.state.swaps_parameters)
+        found = self.revalidate(target, target.under_stance, f" ({note})")
         if found is None:
-            return
-        if found.action is Action.FORGET:
-            target.forget_reference()
             return
         self.caught(found.kind, f"{self.label(target)}: {found.detail} ({note})")
         if found.action is Action.LEAVE:
@@ -97,6 +88,21 @@ class Repairs:
             self.rearm(r.state.loop, f"{self.label(target)}: {found.detail}")
         else:
             self.rebuild_or_leave_shared(target, found)
+
+    def revalidate(
+        self, target: CompiledTarget, under_stance: bool, note: str = ""
+    ) -> Found | None:
+        """:func:`~guardtrain.engine.changes.revalidate`, after switching ``target`` to the
+        code of its parameters' new ``requires_grad`` pattern when they were frozen or
+        unfrozen (H42, a caught change): that code, kept from its last use, is checked
+        like any other before it runs."""
+        swaps = self.run.state.swaps_parameters
+        found = revalidate(target, under_stance, swaps)
+        if found is not None and found.action is Action.SWITCH:
+            self.caught(found.kind, f"{self.label(target)}: {found.detail}{note}")
+            use_grad_variant(target)
+            found = revalidate(target, under_stance, swaps)
+        return found
 
     def on_miss(self, target: CompiledTarget, miss: Miss) -> bool:
         """A call of ``target`` missed: leave the stance; True to run it with full guards.
