@@ -22,12 +22,11 @@ hyperparameter, and its entries have no diff guards: the stance raises on them.
   which gradients are ``None``, and the gradients' metadata. Its cost per step is a few
   C calls plus a pass over the gradients.
 
-A written hyperparameter (a scheduled float ``lr``) or a written parameter's state is
-asked of the harvested entry's own guard manager, as Dynamo would ask it: where that entry
-is still the first to accept the step, the step runs it directly (Dynamo recompiles once,
-at the lr's second value, and then takes it as an input); else with full guards.
-``load_state_dict`` rewrites the optimizer's ``__dict__``;
-``add_param_group`` lengthens the list; a frozen parameter's gradient is ``None``; the
+A written hyperparameter (a scheduled float ``lr``) is asked of the harvested entry's own
+guard manager, as Dynamo would ask it: where that entry is still the first to accept the
+step, the step runs it directly (Dynamo recompiles once, at the lr's second value, and
+then takes it as an input); else with full guards. ``load_state_dict`` rewrites the
+optimizer's ``__dict__``; ``add_param_group`` lengthens the list; a frozen parameter's gradient is ``None``; the
 first step creates the state; a tensor assigned by hand into ``opt.state[p]`` writes that
 parameter's state; a module-level flag of ``torch.optim`` assigned writes its namespace:
 each is seen by the check. Its compiles are told to the run (``on_compile``), as the
@@ -99,9 +98,6 @@ _Tensor = torch.Tensor
 _pre_hooks = optimizer_pre_hooks
 _post_hooks = optimizer_post_hooks
 _MISSING = object()
-_SERVABLE = frozenset({"hyperparameters", "state"})
-"""The changes the harvested entry's guard manager is asked about before a full step: a
-hyperparameter written (a scheduled lr), a parameter's state written."""
 _RECOMPILE_LIMIT: type[BaseException] = RecompileLimitHit
 
 
@@ -357,15 +353,15 @@ class CompiledStep:
 
     def decide(self, check: StepCheck) -> tuple[str | None, bool]:
         """The direct path's check before a step: what changed since the entry was
-        harvested (None: run it), and whether a moved hyperparameter or state value was
-        served (a scheduled lr the entry takes as an input).
+        harvested (None: run it), and whether a written hyperparameter was served (a
+        scheduled lr that the entry takes as an input).
 
-        A hyperparameter written, or a parameter's state, is asked of the harvested
-        entry's own guard manager, as Dynamo would ask it: where it is still the first
-        entry that accepts the step, the check takes the optimizer as it is now and
-        checks again (the gradients, the global state)."""
+        A written hyperparameter is asked of the harvested entry's own guard manager, as
+        Dynamo would ask it: where that entry is still the first to accept the step, the
+        check takes the optimizer as it is now. (A state tensor replaced is not asked:
+        Dynamo holds the state's tensors by identity, and recompiles.)"""
         change = check.change(self.optimizer)
-        if change not in _SERVABLE or cache_entry_list is None:
+        if change != "hyperparameters" or cache_entry_list is None:
             return change, False
         tensors = check.tensor_change()  # what it names is cheaper, and more precise
         if tensors is not None:
