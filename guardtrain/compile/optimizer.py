@@ -26,10 +26,10 @@ A written hyperparameter (a scheduled float ``lr``) is asked of the harvested en
 guard manager, as Dynamo would ask it: where that entry is still the first to accept the
 step, the step runs it directly (Dynamo recompiles once, at the lr's second value, and
 then takes it as an input); else with full guards. ``load_state_dict`` rewrites the
-optimizer's ``__dict__``; ``add_param_group`` lengthens the list; a frozen parameter's gradient is ``None``; the
-first step creates the state; a tensor assigned by hand into ``opt.state[p]`` writes that
-parameter's state; a module-level flag of ``torch.optim`` assigned writes its namespace:
-each is seen by the check. Its compiles are told to the run (``on_compile``), as the
+optimizer's ``__dict__``; ``add_param_group`` lengthens the list; a frozen parameter's
+gradient is ``None``; the first step creates the state; a tensor assigned by hand into
+``opt.state[p]`` writes that parameter's state; a module-level flag of ``torch.optim``
+assigned writes its namespace: each is seen by the check. Its compiles are told to the run (``on_compile``), as the
 targets' are.
 
 Blind spots: a parameter's or a state tensor's metadata changed in place (``p.data =``

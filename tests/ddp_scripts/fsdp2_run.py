@@ -14,7 +14,8 @@ equalled the twin's, bitwise, and the guard's summary.
 
 Options: ``--guard PRESET`` (aggressive), ``--targets a,b`` (regional targets),
 ``--short-batch STEP`` (rank 1's batch at that step is 3 rows short: an uneven
-shard), ``--steps N`` (24), ``--timeout S`` (collectives time out, 60).
+shard), ``--steps N`` (24), ``--timeout S`` (collectives time out, 60), ``--hook-at STEP``
+(a forward hook halving ``blocks[0].lin``'s output added to both nets before that step).
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def batches(rank: int, steps: int, short_at: int | None) -> list[tuple[torch.Ten
     return out
 
 
+def _halve(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * 0.5
+
+
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered (a collective on each DTensor)."""
     state = {}
@@ -121,7 +126,10 @@ def train(args: argparse.Namespace, rank: int, setup: Any) -> dict[str, Any]:
         fabric=args.fabric_obj,
     ) as tuner:
         stance = []
-        for x, y in data:
+        for step, (x, y) in enumerate(data):
+            if step == args.hook_at:
+                for model in (net, twin):
+                    model.blocks[0].lin.register_forward_hook(_halve)
             with tuner.step((x, y)):
                 loss = loss_fn(net(x), y)
                 loss.backward()
@@ -170,6 +178,7 @@ def main() -> None:
     parser.add_argument("--short-batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--timeout", type=float, default=60)
+    parser.add_argument("--hook-at", type=int, default=None)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
