@@ -198,7 +198,7 @@ def turbo_whole(model: nn.Module, args: tuple[Any, ...]) -> float:
             assert entries, "turbo harvested no entry: not steady"
             for entry in entries:
                 entry.fn = lambda *a, **k: out
-            calls = target.direct_calls
+            calls = target.counts.direct_calls
 
             class Plain(nn.Module):
                 def forward(self, *a: Any) -> torch.Tensor:
@@ -206,7 +206,7 @@ def turbo_whole(model: nn.Module, args: tuple[Any, ...]) -> float:
 
             stub = Plain()
             whole_ns = per_call(lambda: model(*args)) - per_call(lambda: stub(*args))
-            assert target.direct_calls > calls, "the calls did not run directly"
+            assert target.counts.direct_calls > calls, "the calls did not run directly"
             return whole_ns
     finally:
         tuner.__exit__(None, None, None)
@@ -305,9 +305,9 @@ def flip_cost() -> dict[str, float]:
                 call()
 
             n = 2000
-            swaps_before = target.kept.swaps
+            swaps_before = target.counts.swaps
             after_flip = timed_calls(call, n, before=flip)
-            swapped = target.kept.swaps - swaps_before
+            swapped = target.counts.swaps - swaps_before
             if not state[0]:
                 flip()  # adapters on again for the steady calls
             steady = timed_calls(call, n)

@@ -80,7 +80,7 @@ def main() -> None:
                     model(*xs).sum().backward()
                     model.flag = False
         target = tuner.engine.targets.installed[0]
-        assert target.direct_calls > 0, "no direct calls: not in the steady state"
+        assert target.counts.direct_calls > 0, "no direct calls: not in the steady state"
         with tuner.step(xs):
             model(*xs)  # harvest, in this batch, for the training mode
             mode = next(iter(target.learnt.dispatch_table))

@@ -67,9 +67,11 @@ from guardtrain.compile.options import (
 )
 from guardtrain.compile.resolve import resolve_targets
 from guardtrain.compile.takeover import TakeOver, take_over_compiled
-from guardtrain.compile.target import CompiledTarget, hand_over, steady_now, take_call_counts
+from guardtrain.compile.target import CompiledTarget, hand_over, steady_now
+from guardtrain.compile.target_state import CallCounts
 
 __all__ = [
+    "CallCounts",
     "COMPILE_KWARGS",
     "COMPILE_MODES",
     "DIRECT_LIMIT",
@@ -98,7 +100,6 @@ __all__ = [
     "share_groups",
     "steady_now",
     "structure_key",
-    "take_call_counts",
     "take_over_compiled",
     "use_grad_variant",
     "user_path",

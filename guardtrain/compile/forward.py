@@ -177,14 +177,16 @@ def steady(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         if unsafe is None:
             return _not_our_stance(target, args, kwargs)
     _frame_state[STANCE] = unsafe
-    target.decode_calls += decode  # a transformers cache: a generate() call (H53)
+    if decode:  # a transformers cache: a generate() call (H53)
+        target.counts.decode_calls += 1
     try:
         return target.compiled(*args, **kwargs)
     except RuntimeError as err:
         failed = err
     finally:
         _frame_state[STANCE] = previous
-    target.decode_calls -= decode  # it did not run
+    if decode:  # it did not run
+        target.counts.decode_calls -= 1
     return _after_stance_miss(target, failed, mode, key, args, kwargs)
 
 
@@ -321,7 +323,7 @@ def _after_stance_miss(
 def with_full_guards(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run one steady call with Dynamo's full guards (its arguments hold something no key
     describes, or the stance cannot pick its entry): the stance is not set for it."""
-    target.full_guard_calls += 1
+    target.counts.full_guard_calls += 1
     return guarded(target, args, kwargs)
 
 
@@ -335,7 +337,7 @@ def guarded(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if any_autocast() is not target.code.autocast and not target.retry_eagerly:
         autocast_switched(target, args, kwargs)  # the code of this autocast state (H44)
     target.calls += 1
-    target.decode_full_guards += carries_cache(args, kwargs)  # generate()'s calls (H53)
+    target.counts.decode_full_guards += carries_cache(args, kwargs)  # generate()'s calls
     code = target.code
     code.current = target
     own = code.own_compiles

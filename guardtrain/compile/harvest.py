@@ -34,7 +34,7 @@ def direct_entry(
     kwargs: dict[str, Any],
 ) -> DirectEntry | None:
     """The harvested entry that runs this call directly, harvesting one if allowed,
-    counted in ``target.direct_calls``; None when the call takes the stance's path (the
+    counted in ``target.counts``; None when the call takes the stance's path (the
     world outside the arguments is not as the entries were harvested, or no entry may
     be harvested) or left the stance (no entry accepts it)."""
     if not outside_state_clear(target.plain_stance):
@@ -57,8 +57,10 @@ def direct_entry(
                 target.on_miss(target, _UNACCEPTED)
             return None
         direct = harvested
-    target.direct_calls += 1
-    target.decode_calls += direct.decode
+    counts = target.counts
+    counts.direct_calls += 1
+    if direct.decode:
+        counts.decode_calls += 1
     if target.checking:
         target.checks += 1
     return direct

@@ -146,10 +146,6 @@ class Kept:
     """Moves whenever something a kept state assumed may have changed unseen by flips:
     a check of another change, the stance on or off (but for a loop pass's start or end),
     a rebuild."""
-    swaps: int = 0
-    """Flips back to a known state, served without a check."""
-    grad_swaps: int = 0
-    """Of those, the ones whose ``requires_grad`` pattern differed."""
 
     def stale(self) -> None:
         """What was learnt in other states may be stale: no state is established."""
@@ -222,7 +218,7 @@ def swap(target: Any, key: StateKey, count: bool = True) -> bool:
     """Put back what ``target`` learnt in state ``key``, if it is still true: the same
     epoch, the code not compiled nor rebuilt since and still its family's variant for
     the key's ``requires_grad`` and autocast. The state being left is kept. True when
-    swapped; ``count``: a flip, counted in :attr:`Kept.swaps`."""
+    swapped; ``count``: a flip, counted in the run's ``swaps`` (``target.counts``)."""
     kept = target.kept
     found: Known | None = kept.known.pop(key, None)
     if found is None:
@@ -238,7 +234,7 @@ def swap(target: Any, key: StateKey, count: bool = True) -> bool:
         return False
     left = kept.state
     if count and left is not None and left[0] != key[0]:
-        kept.grad_swaps += 1  # a requires_grad flip, counted as the general check counts it
+        target.counts.grad_swaps += 1  # a requires_grad flip, as the general check counts it
     keep(target)
     old = target.code
     if code is not old:
@@ -256,5 +252,5 @@ def swap(target: Any, key: StateKey, count: bool = True) -> bool:
     target.last_decode = found.last_decode
     target.key_of = found.key_of
     kept.state = key
-    kept.swaps += count
+    target.counts.swaps += count
     return True

@@ -40,6 +40,7 @@ from guardtrain.compile.polled import Polled
 from guardtrain.compile.repeat import promoting
 from guardtrain.compile.resolve import forward_function, nested_compile_region
 from guardtrain.compile.stances import NO_STANCE, Stances
+from guardtrain.compile.target_state import CallCounts
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.filters import GuardFilter
 from guardtrain.fingerprints import module_fingerprint
@@ -112,7 +113,8 @@ class CompiledTarget:
         self.plain_stance: Any = NO_STANCE
         self.unsafe_stance: Any = None
         self.direct_allowed = False  # direct dispatch wanted (`direct_dispatch`, not refused)
-        self.direct, self.direct_calls = False, 0
+        self.direct = False
+        self.counts = CallCounts()  # its run's, once a run holds it
         self.mixed = False  # graph breaks, kept whole: broken entries with full guards (H4)
         self.graph_breaks_reported = False  # its graph breaks were warned about
         self.uncompiled = False  # calls run the module's own forward until a split (H51)
@@ -125,10 +127,9 @@ class CompiledTarget:
         self.flips, self.kept = _states.Flips(), _states.Kept()  # flips, known states (H46)
         self.first_call = False
         self.versions = Polled()
-        self.full_guard_calls, self.checked_generation, self.calls = 0, 0, 0
+        self.checked_generation, self.calls = 0, 0
         self.guard_ns: list[int] = []  # full guard checks timed in check windows (reported)
         self.step_calls, self.calls_at_step = 0, 0  # calls in the last warm-up training step
-        self.decode_calls, self.decode_full_guards = 0, 0
         self.unverified: Callable[..., Any] | None = None
         self.mismatch: str | None = None
         self.handed_over: str | None = None  # why it has full guards for the run (H51)
@@ -406,24 +407,6 @@ def _getstate_without(module: nn.Module, previous: dict[str, Any]) -> Callable[[
         return state
 
     return __getstate__
-
-
-def take_call_counts(target: CompiledTarget) -> tuple[int, ...]:
-    """``(direct calls, full-guard calls, swaps, requires_grad swaps, decode calls served,
-    decode calls with full guards)`` of ``target`` since the last time, counted afresh
-    from 0."""
-    kept = target.kept
-    counts = (
-        target.direct_calls,
-        target.full_guard_calls,
-        kept.swaps,
-        kept.grad_swaps,
-        target.decode_calls,
-        target.decode_full_guards,
-    )
-    target.direct_calls = target.full_guard_calls = kept.swaps = kept.grad_swaps = 0
-    target.decode_calls = target.decode_full_guards = 0
-    return counts
 
 
 def hand_over(target: CompiledTarget, why: str) -> None:

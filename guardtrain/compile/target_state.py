@@ -9,6 +9,7 @@ lives on the target itself: on the per-call path each read is one attribute look
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from torch import nn
@@ -19,7 +20,28 @@ from guardtrain.compile.known_states import Flips, Kept, Learnt
 from guardtrain.compile.miss import Miss
 from guardtrain.compile.polled import Polled
 
-__all__ = ["TargetState"]
+__all__ = ["CallCounts", "TargetState"]
+
+
+@dataclass(slots=True)
+class CallCounts:
+    """The calls of one run's targets, counted together: one set per run, which each of its
+    targets counts into (``summary()`` reads it whole)."""
+
+    direct_calls: int = 0
+    """Steady calls run directly (turbo, H30)."""
+    full_guard_calls: int = 0
+    """Steady calls run with full guards: arguments no key describes (a module, an
+    object), or no entry that the stance may run accepts them."""
+    decode_calls: int = 0
+    """Calls carrying a transformers cache served under the stance or directly (H53)."""
+    decode_full_guards: int = 0
+    """Calls carrying a transformers cache run with full guards (warm-up, audits, or no
+    entry's check let them through)."""
+    swaps: int = 0
+    """Flips back to a known state, served without a check (H46)."""
+    grad_swaps: int = 0
+    """Of those, the ones whose ``requires_grad`` pattern differed."""
 
 
 class TargetState(Protocol):
@@ -51,8 +73,6 @@ class TargetState(Protocol):
     """``plain_stance`` with ``skip_guard_eval_unsafe``: set around a steady compiled call."""
     direct: bool
     """True while calls under the stance may run a harvested entry directly (turbo)."""
-    direct_calls: int
-    """Calls that ran a harvested entry directly."""
     learnt: Learnt
     """What its calls learnt about the entries in its current state: the dispatch table,
     the keys admitted or sent to full guards (:class:`~guardtrain.compile.known_states.
@@ -103,14 +123,8 @@ class TargetState(Protocol):
     """The time (ns) of full guard checks of the stance's entry on calls in check windows
     (:func:`~guardtrain.compile.accept.stance_entry`), at most
     :data:`~guardtrain.compile.accept.GUARD_SAMPLES`: reported, never decided on."""
-    full_guard_calls: int
-    """Calls under the stance whose arguments no key describes (a module, an object):
-    they ran with full guards."""
-    decode_calls: int
-    """Calls carrying a transformers cache that ran under the stance or directly (H53)."""
-    decode_full_guards: int
-    """Calls carrying a transformers cache that ran with full guards (warm-up, audits, or
-    no entry's check let them through)."""
+    counts: CallCounts
+    """Its run's call counts, which it counts into."""
     checked_generation: int
     """The code's generation at which this member was last checked against its entries."""
     calls: int

@@ -113,7 +113,7 @@ class Repairs:
         repeat the miss)."""
         r = self.run
         if miss.reason in _INPUT_MISSES and not r.paired() and at_recompile_limit(target):
-            target.full_guard_calls += 1
+            target.counts.full_guard_calls += 1
             return True
         kind, reason = findings.miss(self.label(target), miss, r.checks.checking, r.paired())
         if kind is not None:

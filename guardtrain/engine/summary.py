@@ -63,7 +63,7 @@ def build(e: Run, phase: str, compile_cache: dict[str, Any] | None) -> dict[str,
             e.steps, lookup, e.levers.direct_dispatch, _counts(e), _guard_estimate(e)
         ),
         "caught_changes": _caught(e),
-        "state_swaps": ts.swaps + sum(t.kept.swaps for t in ts.kept) + r.get("state_swaps", 0),
+        "state_swaps": ts.counts.swaps + r.get("state_swaps", 0),
         "full_guard_targets": [dict(h) for h in e.ledger.handed_over],
         "full_guard_calls": _full_guard_calls(e),
         "decode_calls": _decode(e),
@@ -111,12 +111,7 @@ def _guard_estimate(e: Run) -> float | None:
 
 def _full_guard_calls(e: Run) -> int:
     """The steady state's calls with full guards, the earlier runs' (a checkpoint's) with them."""
-    ts = e.targets
-    return (
-        ts.full_guard_calls
-        + sum(t.full_guard_calls for t in ts.kept)
-        + e.restored.get("full_guard_calls", 0)
-    )
+    return e.targets.counts.full_guard_calls + e.restored.get("full_guard_calls", 0)
 
 
 def _added(earlier: dict[str, int], now: dict[str, int]) -> dict[str, int]:
@@ -131,7 +126,7 @@ def _caught(e: Run) -> dict[str, dict[str, Any]]:
     """Changes caught before a call by kind; a ``requires_grad`` flip back to a known state
     (H46) counts as one, as when it was checked."""
     caught = e.state.caught.summary()
-    swaps = e.targets.grad_swaps + sum(t.kept.grad_swaps for t in e.targets.kept)
+    swaps = e.targets.counts.grad_swaps
     if swaps:
         row = caught.setdefault(
             "requires_grad", {"count": 0, "first": "a flip back to a known state"}
@@ -160,9 +155,7 @@ def _direct(e: Run) -> dict[str, Any]:
         "refused": e.levers.direct_refused,
         "refused_targets": refusals,
         "broken_targets": _broken(ts, root) if e.levers.direct_dispatch else [],
-        "calls": ts.direct_calls
-        + sum(t.direct_calls for t in ts.kept)
-        + e.restored.get("direct_calls", 0),
+        "calls": ts.counts.direct_calls + e.restored.get("direct_calls", 0),
     }
 
 
@@ -170,14 +163,10 @@ def _decode(e: Run) -> dict[str, int]:
     """The calls that carried a transformers cache (``generate()``'s prefill and decode
     calls, H53): ``served`` under the stance or directly, and with ``full_guards`` (in
     warm-up, in audits, or where no entry's check let them through)."""
-    ts, restored = e.targets, e.restored.get("decode_calls", {})
+    counts, restored = e.targets.counts, e.restored.get("decode_calls", {})
     return {
-        "served": ts.decode_calls
-        + sum(t.decode_calls for t in ts.kept)
-        + restored.get("served", 0),
-        "full_guards": ts.decode_full_guards
-        + sum(t.decode_full_guards for t in ts.kept)
-        + restored.get("full_guards", 0),
+        "served": counts.decode_calls + restored.get("served", 0),
+        "full_guards": counts.decode_full_guards + restored.get("full_guards", 0),
     }
 
 

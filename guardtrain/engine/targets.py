@@ -15,12 +15,12 @@ from typing import Any, Callable
 from torch import nn
 
 from guardtrain.compile import (
+    CallCounts,
     CompiledTarget,
     Miss,
     TakeOver,
     resolve_targets,
     share_groups,
-    take_call_counts,
     take_over_compiled,
 )
 from guardtrain.compile.resolve import forward_function
@@ -85,20 +85,8 @@ class TargetSet:
     """Dynamo's graph-break records read so far (reasons with file and line)."""
     direct_refused_targets: list[dict[str, str]] = field(default_factory=list)
     """Targets refused direct dispatch, and why."""
-    direct_calls: int = 0
-    """Calls run directly by targets that are no longer in the run (split, replaced)."""
-    full_guard_calls: int = 0
-    """Calls with full guards under the stance by targets no longer in the run."""
-    swaps: int = 0
-    """Flips back to a known state by targets no longer in the run (H46)."""
-    grad_swaps: int = 0
-    """Of those, the flips of ``requires_grad``."""
-    decode_calls: int = 0
-    """Calls carrying a transformers cache served under the stance or directly (H53), by
-    targets no longer in the run."""
-    decode_full_guards: int = 0
-    """Calls carrying a transformers cache that ran with full guards, by targets no longer
-    in the run."""
+    counts: CallCounts = field(default_factory=CallCounts)
+    """The run's call counts: each of its targets counts into it, split ones too."""
 
     def batch_starts(self) -> None:
         """Before a batch: each target's next call is the batch's first, which checks the
@@ -151,7 +139,7 @@ class TargetSet:
                 target = kept[(name, id(module))]
                 target.install(host.known_as(name))
                 target.pair_calls_across_ranks(paired)
-                take_call_counts(target)  # direct calls: counted in `restored`
+                target.counts = self.counts  # the last run's: counted in `restored`
                 self._allow_direct(target, host.root_label)
                 self.installed.append(target)
         else:
@@ -183,6 +171,7 @@ class TargetSet:
                     on_change=hooks.on_change,
                 )
             )
+            made[-1].counts = self.counts
             made[-1].pair_calls_across_ranks(paired)
             self._allow_direct(made[-1], root_label)
         return made
@@ -252,13 +241,6 @@ class TargetSet:
         if not target.detach():  # the last user of its code (the others split in this pass)
             target.rebuild()  # forget its entries, resume functions included
         target.uninstall()
-        direct_calls, full_guard_calls, swaps, grad_swaps, served, full = take_call_counts(target)
-        self.direct_calls += direct_calls
-        self.full_guard_calls += full_guard_calls
-        self.swaps += swaps
-        self.grad_swaps += grad_swaps
-        self.decode_calls += served
-        self.decode_full_guards += full
         index = self.installed.index(target)
         made = self._make(parts, paired, root_label)
         self.installed[index : index + 1] = made
