@@ -44,9 +44,14 @@ def batch_signature(batch: Any) -> Any:
         shapes, dtypes and devices in the same containers.
     """
     cls = type(batch)
-    # The common cases, a tuple, list or dict of tensors and plain values (a model call's
-    # keyword arguments): a tensor's metadata read in place, anything else recursed into.
+    # The common cases: a tuple, list or dict of tensors (or of arrays with a shape, dtype
+    # and device: NumPy's), then of tensors and plain values (a model call's keyword
+    # arguments), a tensor's metadata read in place and anything else recursed into.
     if cls is tuple or cls is list:
+        try:
+            return (cls, tuple([(t.shape, t.dtype, t.device) for t in batch]))
+        except AttributeError:
+            pass
         return (
             cls,
             tuple(
@@ -57,6 +62,10 @@ def batch_signature(batch: Any) -> Any:
             ),
         )
     if cls is dict:
+        try:
+            return (cls, tuple([(k, (v.shape, v.dtype, v.device)) for k, v in batch.items()]))
+        except AttributeError:
+            pass
         return (
             cls,
             tuple(

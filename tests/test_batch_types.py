@@ -192,6 +192,25 @@ def test_the_flat_fast_paths() -> None:
     assert batch_signature({"x": x, "y": y}) == (dict, (("x", metas[0]), ("y", metas[1])))
 
 
+def test_the_mixed_fast_paths_give_the_general_signature() -> None:
+    """A tuple, list or dict of tensors and plain values (a model call's keyword
+    arguments) reads its tensors in place and gives what the member-by-member path gives;
+    arrays with a shape, dtype and device (NumPy's) keep their metadata."""
+    import numpy as np
+
+    x = _t(16, 8)
+    meta = (x.shape, x.dtype, x.device)
+    kwargs = {"input_ids": x, "use_cache": True, "past_key_values": None, "n": 3}
+    assert batch_signature(kwargs) == (
+        dict,
+        (("input_ids", meta), ("use_cache", bool), ("past_key_values", type(None)), ("n", int)),
+    )
+    assert batch_signature((x, 1, [x])) == (tuple, (meta, int, (list, (meta,))))
+    a, b = np.zeros((3, 2)), np.zeros((4, 2))
+    assert batch_signature([a, a]) != batch_signature([b, a])
+    assert batch_signature({"a": a}) != batch_signature({"a": b})
+
+
 @pytest.mark.parametrize(
     ("batch", "expected"),
     [

@@ -246,6 +246,22 @@ def test_a_state_tensor_assigned_by_hand_is_seen() -> None:
     assert o["changes"].get("state", 0) >= 1, o
 
 
+def _state_with_scheduled_lr(i: int, model: Net, opt: torch.optim.Optimizer) -> None:
+    if i == 6:  # a moment replaced by hand in the same layout, beside the schedule's lr
+        p = model.body[0].weight
+        opt.state[p]["exp_avg"] = torch.zeros_like(opt.state[p]["exp_avg"])
+
+
+def test_a_state_tensor_replaced_beside_a_scheduled_lr_is_never_served() -> None:
+    """The lr moves every step (served by the harvested entry's guard manager); a state
+    tensor replaced in the same step fails that guard manager (Dynamo holds state tensors
+    by identity): the step takes full guards and Dynamo recompiles, as plain compile does
+    (``compare`` asserts it bitwise)."""
+    o = compare(schedule="lambda", change=_state_with_scheduled_lr)
+    assert o["changes"].get("hyperparameters, served directly", 0) >= STEPS - 6, o
+    assert o["full_guard_steps"] >= 3 and o["compiles"] >= 3, o
+
+
 def test_a_global_the_update_reads_changed_between_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -12,9 +12,9 @@ acted on through :class:`~guardtrain.engine.repairs.Repairs`.
 
 from __future__ import annotations
 
-from guardtrain.compile import CompiledTarget
+from guardtrain.compile import CompiledTarget, grad_moved
 from guardtrain.engine import decisions, findings
-from guardtrain.engine.changes import Action, Change, Found
+from guardtrain.engine.changes import Action, Change, Found, switch_found
 from guardtrain.engine.phases import LoopState, Phase
 from guardtrain.engine.repairs import Repairs
 from guardtrain.engine.run import TRAIN, Run
@@ -101,7 +101,8 @@ class BatchChecks:
         for target in r.targets.installed:
             if target.handed_over is not None:
                 continue  # full guards, as plain compile (H51)
-            # Every rank at once, also with paired calls (a requires_grad switch, H42).
+            if grad_moved(target):  # every rank at once, also with paired calls (H42)
+                repairs.switch_grads(target, switch_found(target))
             label = repairs.label(target)
             found = r.checks.skipped_code(target, label) or repairs.revalidate(target, steady)
             if found is None:

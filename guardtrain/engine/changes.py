@@ -31,7 +31,16 @@ from typing import Any, NamedTuple
 from guardtrain.compile import grad_change, grad_moved
 from guardtrain.fingerprints import ModuleChange, fingerprint_change, module_fingerprint
 
-__all__ = ["Action", "Change", "ChangeLog", "Found", "found_in", "revalidate", "stale_found"]
+__all__ = [
+    "Action",
+    "Change",
+    "ChangeLog",
+    "Found",
+    "found_in",
+    "revalidate",
+    "stale_found",
+    "switch_found",
+]
 
 
 class Change(enum.StrEnum):
@@ -99,7 +108,7 @@ def revalidate(target: Any, under_stance: bool, swaps_parameters: str | None) ->
     every call, so only the fingerprint's hook rows are compared.
     """
     if grad_moved(target):
-        return Found(Action.SWITCH, Change.REQUIRES_GRAD, grad_change(target))
+        return switch_found(target)
     replaced, target.tensor_attribute = target.tensor_attribute, None
     if replaced is not None and target.code.install_free_tensors:
         # No fingerprint lists a plain attribute's tensor, and the graph kept the one it
@@ -120,6 +129,11 @@ def revalidate(target: Any, under_stance: bool, swaps_parameters: str | None) ->
     if unmatched is not None and under_stance:
         return Found(Action.LEAVE, _assertion_kind(target), unmatched)
     return None
+
+
+def switch_found(target: Any) -> Found:
+    """The switch to the code of ``target``'s parameters' new ``requires_grad`` pattern."""
+    return Found(Action.SWITCH, Change.REQUIRES_GRAD, grad_change(target))
 
 
 def _hook_rows(fingerprint: tuple[Any, ...]) -> tuple[Any, ...]:

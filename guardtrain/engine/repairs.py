@@ -99,10 +99,14 @@ class Repairs:
         swaps = self.run.state.swaps_parameters
         found = revalidate(target, under_stance, swaps)
         if found is not None and found.action is Action.SWITCH:
-            self.caught(found.kind, f"{self.label(target)}: {found.detail}{note}")
-            use_grad_variant(target)
+            self.switch_grads(target, found, note)
             found = revalidate(target, under_stance, swaps)
         return found
+
+    def switch_grads(self, target: CompiledTarget, found: Found, note: str = "") -> None:
+        """The code of the parameters' new ``requires_grad`` pattern (H42), a caught change."""
+        self.caught(found.kind, f"{self.label(target)}: {found.detail}{note}")
+        use_grad_variant(target)
 
     def on_miss(self, target: CompiledTarget, miss: Miss) -> bool:
         """A call of ``target`` missed: leave the stance; True to run it with full guards.
