@@ -147,7 +147,6 @@ class StepCheck:
         "items",
         "lists",
         "mask",
-        "namespaces",
         "params",
         "polled",
         "state_total",
@@ -167,7 +166,6 @@ class StepCheck:
         self.params = tuple(p for g in groups for p in g["params"])
         state = optimizer.state
         self.states = [state[p] for p in self.params if p in state]
-        self.namespaces = namespaces
         self.polled = Polled([state, *self.states, *namespaces])
         self.state_total = sum(map(_dict_version, [state, *self.states]))
         mask = [p.grad is None for p in self.params]
@@ -214,6 +212,12 @@ class StepCheck:
         if live_codes is None or id(direct.code) not in live_codes:
             return "entry forgotten"  # Dynamo's reset()
         return None
+
+    def take_groups(self) -> None:
+        """Take the groups' values as they are now (the entry's guard manager accepted
+        them): the check then compares the next step with these."""
+        self.items = [tuple(g.items()) for g in self.groups]
+        self.versions = [_dict_version(g) for g in self.groups]
 
     def _group_change(self) -> str:
         """A group's dictionary was written: its ``params`` replaced, or a hyperparameter."""
@@ -341,10 +345,8 @@ class CompiledStep:
         if check is not None:
             change, served = self.decide(check)
             if change is None:
-                if served:  # the check taken afresh, of the same entry
+                if served:
                     self.changes["hyperparameters, served directly"] += 1
-                    check = self.check
-                    assert check is not None
                 check.direct.fn()
                 self.direct_steps += 1
                 return
@@ -358,8 +360,8 @@ class CompiledStep:
 
         A written hyperparameter is asked of the harvested entry's own guard manager, as
         Dynamo would ask it: where that entry is still the first to accept the step, the
-        check takes the optimizer as it is now. (A state tensor replaced is not asked:
-        Dynamo holds the state's tensors by identity, and recompiles.)"""
+        check takes the groups' values as they are now and checks the rest again. (A state
+        tensor replaced is not asked: Dynamo holds the state's tensors by identity.)"""
         change = check.change(self.optimizer)
         if change != "hyperparameters" or cache_entry_list is None:
             return change, False
@@ -369,7 +371,7 @@ class CompiledStep:
         found = first_accepting(self.trampoline, self._scope())
         if found is None or found[0].code is not check.direct.code:
             return change, False
-        self.check = check = StepCheck(self.optimizer, check.direct, check.namespaces)
+        check.take_groups()  # then the rest is checked again (a state or list written too)
         change = check.change(self.optimizer)
         return change, change is None
 
