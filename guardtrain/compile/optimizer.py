@@ -175,9 +175,9 @@ class StepCheck:
 
     def change(self, optimizer: torch.optim.Optimizer) -> str | None:
         """What changed since the entry was harvested, or None (the step may run it)."""
-        return self._structure_change(optimizer) or self.tensor_change()
+        return self.structure_change(optimizer) or self.tensor_change()
 
-    def _structure_change(self, optimizer: torch.optim.Optimizer) -> str | None:
+    def structure_change(self, optimizer: torch.optim.Optimizer) -> str | None:
         """The optimizer's attributes, groups, parameter lists and polled dicts."""
         if _dict_version(optimizer.__dict__) != self.attributes:
             if optimizer.param_groups is not self.groups:
@@ -362,17 +362,20 @@ class CompiledStep:
         Dynamo would ask it: where that entry is still the first to accept the step, the
         check takes the groups' values as they are now and checks the rest again. (A state
         tensor replaced is not asked: Dynamo holds the state's tensors by identity.)"""
-        change = check.change(self.optimizer)
+        opt = self.optimizer
+        change = check.structure_change(opt)
+        if change is None:
+            change = check.tensor_change()
+            return change, False
         if change != "hyperparameters" or cache_entry_list is None:
             return change, False
-        tensors = check.tensor_change()  # what it names is cheaper, and more precise
-        if tensors is not None:
-            return tensors, False
         found = first_accepting(self.trampoline, self._scope())
         if found is None or found[0].code is not check.direct.code:
-            return change, False
-        check.take_groups()  # then the rest is checked again (a state or list written too)
-        change = check.change(self.optimizer)
+            return check.tensor_change() or change, False  # a frozen parameter, by name
+        # Its guards passed the gradients and the state too: the rest of the structure
+        # (a state or params list written as well) is checked again.
+        check.take_groups()
+        change = check.structure_change(opt)
         return change, change is None
 
     def _full(self) -> None:
