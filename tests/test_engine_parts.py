@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from guardtrain.compile import Miss, MissReason, grads
+from guardtrain.engine import batch_checks as batch_checks_module
 from guardtrain.engine import levers as _levers
 from guardtrain.engine import repairs as repairs_module
 from guardtrain.engine.agreement import SingleProcess
@@ -320,7 +321,7 @@ def test_the_boundary_acts_on_what_the_check_found(
         seen.append(under_stance)
         return found
 
-    monkeypatch.setattr(repairs_module, "revalidate", check)
+    monkeypatch.setattr(batch_checks_module, "revalidate", check)
     t = FakeTarget("net")
     run = _run(t)
     repairs, batches = _parts(run)

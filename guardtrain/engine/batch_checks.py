@@ -12,9 +12,9 @@ acted on through :class:`~guardtrain.engine.repairs.Repairs`.
 
 from __future__ import annotations
 
-from guardtrain.compile import CompiledTarget, grad_moved
+from guardtrain.compile import CompiledTarget
 from guardtrain.engine import decisions, findings
-from guardtrain.engine.changes import Action, Change, Found, switch_found
+from guardtrain.engine.changes import Action, Change, Found, revalidate
 from guardtrain.engine.phases import LoopState, Phase
 from guardtrain.engine.repairs import Repairs
 from guardtrain.engine.run import TRAIN, Run
@@ -97,14 +97,13 @@ class BatchChecks:
         ``loop`` leaves the stance when no entry's kept guards hold."""
         r, repairs = self.run, self.repairs
         rebuild: list[tuple[CompiledTarget, Found]] = []
-        steady = r.machine.steady(loop)
+        steady, swaps = r.machine.steady(loop), r.state.swaps_parameters
         for target in r.targets.installed:
             if target.handed_over is not None:
                 continue  # full guards, as plain compile (H51)
-            if grad_moved(target):  # every rank at once, also with paired calls (H42)
-                repairs.switch_grads(target, switch_found(target))
+            repairs.switch_grads(target)  # every rank at once, also with paired calls (H42)
             label = repairs.label(target)
-            found = r.checks.skipped_code(target, label) or repairs.revalidate(target, steady)
+            found = r.checks.skipped_code(target, label) or revalidate(target, steady, swaps)
             if found is None:
                 continue
             if found.action is Action.LEAVE:

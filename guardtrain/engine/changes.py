@@ -15,8 +15,9 @@ changed:
 * a tensor held as a plain module attribute was replaced (a pruning pre-hook's masked
   weight, computed outside the compiled call): ``install_free_tensors`` kept the old one
   in the graph (H3): switch that lever off for the target and **rebuild**;
-* the parameters' ``requires_grad`` moved (H42): **switch** to the code compiled for
-  the new pattern, kept from earlier (:mod:`guardtrain.compile.grads`), and check again.
+* before all of these, the parameters' ``requires_grad`` moved (H42): the engine
+  switches to the code compiled for the new pattern, kept from earlier
+  (:mod:`guardtrain.compile.grads`), and the check runs on it.
 
 :func:`revalidate` returns a :class:`Found`, a record (what to do, the kind of change, whose
 hooks, the words for people); the engine acts on its fields, never on its words, and
@@ -28,7 +29,6 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
-from guardtrain.compile import grad_change, grad_moved
 from guardtrain.fingerprints import ModuleChange, fingerprint_change, module_fingerprint
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "found_in",
     "revalidate",
     "stale_found",
-    "switch_found",
 ]
 
 
@@ -68,8 +67,6 @@ class Action(enum.StrEnum):
     """Forget the target's compiled entries: the next call compiles afresh."""
     LEAVE = "leave"
     """Leave the stance: the call runs with full guards and Dynamo recompiles."""
-    SWITCH = "switch"
-    """Run the code of the parameters' new ``requires_grad`` pattern (H42)."""
 
 
 class Found(NamedTuple):
@@ -99,16 +96,16 @@ def revalidate(target: Any, under_stance: bool, swaps_parameters: str | None) ->
 
     The one check of a target's entries against its module: before a call when an event
     or a moved version says something it reads may have changed, at loop boundaries and at
-    audits; never per call. In order: the parameters' ``requires_grad`` pattern, a tensor
-    held as a plain attribute, the module's fingerprint (a walk), the recorded assertions.
+    audits; never per call. It checks the code of the parameters' ``requires_grad``
+    pattern, which the engine switches to first (H42, ``Repairs.revalidate``). In order:
+    a tensor held as a plain attribute, the module's fingerprint (a walk), the recorded
+    assertions.
     A leave is said only ``under_stance`` (outside it Dynamo checks every guard itself).
 
     ``swaps_parameters`` (FSDP): it swaps the parameter objects around every forward by
     design, and without ``install_free_tensors`` they are graph inputs read afresh by
     every call, so only the fingerprint's hook rows are compared.
     """
-    if grad_moved(target):
-        return switch_found(target)
     replaced, target.tensor_attribute = target.tensor_attribute, None
     if replaced is not None and target.code.install_free_tensors:
         # No fingerprint lists a plain attribute's tensor, and the graph kept the one it
@@ -129,11 +126,6 @@ def revalidate(target: Any, under_stance: bool, swaps_parameters: str | None) ->
     if unmatched is not None and under_stance:
         return Found(Action.LEAVE, _assertion_kind(target), unmatched)
     return None
-
-
-def switch_found(target: Any) -> Found:
-    """The switch to the code of ``target``'s parameters' new ``requires_grad`` pattern."""
-    return Found(Action.SWITCH, Change.REQUIRES_GRAD, grad_change(target))
 
 
 def _hook_rows(fingerprint: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -10,7 +10,15 @@ The checks (:mod:`~guardtrain.engine.findings`) say what they found; this acts o
 from __future__ import annotations
 
 from guardtrain._torch import dynamo_config
-from guardtrain.compile import CompiledTarget, Miss, MissReason, hand_over, use_grad_variant
+from guardtrain.compile import (
+    CompiledTarget,
+    Miss,
+    MissReason,
+    grad_change,
+    grad_moved,
+    hand_over,
+    use_grad_variant,
+)
 from guardtrain.compile.direct import whole
 from guardtrain.compile.trampoline import cache_entry_list
 from guardtrain.engine import breaks as _breaks
@@ -79,7 +87,10 @@ class Repairs:
             # rank runs: the change waits for the next boundary or audit, which every
             # rank runs together.
             return
-        found = self.revalidate(target, target.under_stance, f" ({note})")
+        # Frozen or unfrozen (H42): the code of the new pattern, kept from its last use, is
+        # checked like any other before it runs.
+        self.switch_grads(target, f" ({note})")
+        found = revalidate(target, target.under_stance, r.state.swaps_parameters)
         if found is None:
             return
         self.caught(found.kind, f"{self.label(target)}: {found.detail} ({note})")
@@ -89,24 +100,12 @@ class Repairs:
         else:
             self.rebuild_or_leave_shared(target, found)
 
-    def revalidate(
-        self, target: CompiledTarget, under_stance: bool, note: str = ""
-    ) -> Found | None:
-        """:func:`~guardtrain.engine.changes.revalidate`, after switching ``target`` to the
-        code of its parameters' new ``requires_grad`` pattern when they were frozen or
-        unfrozen (H42, a caught change): that code, kept from its last use, is checked
-        like any other before it runs."""
-        swaps = self.run.state.swaps_parameters
-        found = revalidate(target, under_stance, swaps)
-        if found is not None and found.action is Action.SWITCH:
-            self.switch_grads(target, found, note)
-            found = revalidate(target, under_stance, swaps)
-        return found
-
-    def switch_grads(self, target: CompiledTarget, found: Found, note: str = "") -> None:
-        """The code of the parameters' new ``requires_grad`` pattern (H42), a caught change."""
-        self.caught(found.kind, f"{self.label(target)}: {found.detail}{note}")
-        use_grad_variant(target)
+    def switch_grads(self, target: CompiledTarget, note: str = "") -> None:
+        """Where the parameters' ``requires_grad`` moved (frozen or unfrozen, H42): the
+        code of the new pattern, a caught change."""
+        if grad_moved(target):
+            self.caught(Change.REQUIRES_GRAD, f"{self.label(target)}: {grad_change(target)}{note}")
+            use_grad_variant(target)
 
     def on_miss(self, target: CompiledTarget, miss: Miss) -> bool:
         """A call of ``target`` missed: leave the stance; True to run it with full guards.
