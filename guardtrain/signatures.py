@@ -51,32 +51,12 @@ def batch_signature(batch: Any) -> Any:
         try:
             return (cls, tuple([(t.shape, t.dtype, t.device) for t in batch]))
         except AttributeError:
-            pass
-        return (
-            cls,
-            tuple(
-                [
-                    (t.shape, t.dtype, t.device) if isinstance(t, _Tensor) else batch_signature(t)
-                    for t in batch
-                ]
-            ),
-        )
+            return (cls, _mixed_items(batch))
     if cls is dict:
         try:
             return (cls, tuple([(k, (v.shape, v.dtype, v.device)) for k, v in batch.items()]))
         except AttributeError:
-            pass
-        return (
-            cls,
-            tuple(
-                [
-                    (k, (v.shape, v.dtype, v.device))
-                    if isinstance(v, _Tensor)
-                    else (k, batch_signature(v))
-                    for k, v in batch.items()
-                ]
-            ),
-        )
+            return (cls, _mixed_entries(batch))
     if isinstance(batch, torch.Tensor):
         return (batch.shape, batch.dtype, batch.device)
     if isinstance(batch, (tuple, list)):
@@ -84,6 +64,26 @@ def batch_signature(batch: Any) -> Any:
     if isinstance(batch, dict):
         return (cls, tuple([(k, batch_signature(v)) for k, v in batch.items()]))
     return _container_signature(batch)
+
+
+def _mixed_items(batch: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
+    """The members' signatures of a tuple or list of tensors and other values."""
+    return tuple(
+        [
+            (t.shape, t.dtype, t.device) if isinstance(t, _Tensor) else batch_signature(t)
+            for t in batch
+        ]
+    )
+
+
+def _mixed_entries(batch: dict[Any, Any]) -> tuple[Any, ...]:
+    """The entries' signatures of a dict of tensors and other values."""
+    return tuple(
+        [
+            (k, (v.shape, v.dtype, v.device) if isinstance(v, _Tensor) else batch_signature(v))
+            for k, v in batch.items()
+        ]
+    )
 
 
 _TensorGuards: Any = getattr(guards, "TensorGuards", None)
