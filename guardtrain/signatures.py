@@ -28,7 +28,8 @@ def batch_signature(batch: Any) -> Any:
 
     A tuple, list or dict (subclasses such as namedtuples and ``OrderedDict``
     included) keeps its type and structure; an exact tuple, list or dict reads
-    its tensors' metadata in place. Any other container (a ``Mapping`` that is not a
+    its tensors' metadata in place, and that of an array with a shape, dtype and
+    device (NumPy's) among its members. Any other container (a ``Mapping`` that is not a
     ``dict``, such as HF's ``BatchEncoding``; a dataclass instance; any other
     collection that ``apply_to_collection`` walks) gives a :class:`_Container`:
     its type, its keys or field names, and per member either the tensor's
@@ -44,19 +45,12 @@ def batch_signature(batch: Any) -> Any:
         shapes, dtypes and devices in the same containers.
     """
     cls = type(batch)
-    # The common cases: a tuple, list or dict of tensors (or of arrays with a shape, dtype
-    # and device: NumPy's), then of tensors and plain values (a model call's keyword
-    # arguments), a tensor's metadata read in place and anything else recursed into.
+    # The common cases: a tuple, list or dict of tensors, or of tensors and plain values (a
+    # model call's keyword arguments), a tensor's metadata read in place.
     if cls is tuple or cls is list:
-        try:
-            return (cls, tuple([(t.shape, t.dtype, t.device) for t in batch]))
-        except AttributeError:
-            return (cls, _mixed_items(batch))
+        return (cls, _items(batch))
     if cls is dict:
-        try:
-            return (cls, tuple([(k, (v.shape, v.dtype, v.device)) for k, v in batch.items()]))
-        except AttributeError:
-            return (cls, _mixed_entries(batch))
+        return (cls, _entries(batch))
     if isinstance(batch, torch.Tensor):
         return (batch.shape, batch.dtype, batch.device)
     if isinstance(batch, (tuple, list)):
@@ -66,24 +60,45 @@ def batch_signature(batch: Any) -> Any:
     return _container_signature(batch)
 
 
-def _mixed_items(batch: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
-    """The members' signatures of a tuple or list of tensors and other values."""
+def _items(batch: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
+    """The members' signatures of a tuple or list (exact types)."""
     return tuple(
         [
-            (t.shape, t.dtype, t.device) if isinstance(t, _Tensor) else batch_signature(t)
+            (t.shape, t.dtype, t.device)
+            if isinstance(t, _Tensor)
+            else (type(t) if type(t) in _LEAVES else _member_of_exact(t))
             for t in batch
         ]
     )
 
 
-def _mixed_entries(batch: dict[Any, Any]) -> tuple[Any, ...]:
-    """The entries' signatures of a dict of tensors and other values."""
+def _entries(batch: dict[Any, Any]) -> tuple[Any, ...]:
+    """The entries' signatures of a dict (exact type)."""
     return tuple(
         [
-            (k, (v.shape, v.dtype, v.device) if isinstance(v, _Tensor) else batch_signature(v))
+            (
+                k,
+                (v.shape, v.dtype, v.device)
+                if isinstance(v, _Tensor)
+                else (type(v) if type(v) in _LEAVES else _member_of_exact(v)),
+            )
             for k, v in batch.items()
         ]
     )
+
+
+def _member_of_exact(value: Any) -> Any:
+    """The signature of a member of an exact tuple, list or dict that is neither a tensor
+    nor a plain value: an array with a shape, dtype and device (NumPy's) by that metadata,
+    a transformers cache by its type (its tensors grow every decode call; the call's own
+    checks read them, H53), anything else by :func:`batch_signature`."""
+    cls = type(value)
+    if cls is tuple or cls is list or cls is dict or class_dicts(cls) is not None:
+        return batch_signature(value)
+    try:
+        return (value.shape, value.dtype, value.device)
+    except AttributeError:
+        return batch_signature(value)
 
 
 _TensorGuards: Any = getattr(guards, "TensorGuards", None)

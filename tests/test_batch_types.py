@@ -209,6 +209,13 @@ def test_the_mixed_fast_paths_give_the_general_signature() -> None:
     a, b = np.zeros((3, 2)), np.zeros((4, 2))
     assert batch_signature([a, a]) != batch_signature([b, a])
     assert batch_signature({"a": a}) != batch_signature({"a": b})
+    # Beside plain values too: an array's shape counts, where a member read by its type
+    # alone would hide it.
+    assert batch_signature((a, "train", 3)) != batch_signature((b, "train", 3))
+    assert batch_signature({"a": a, "n": 3}) == (
+        dict,
+        (("a", (a.shape, a.dtype, a.device)), ("n", int)),
+    )
 
 
 @pytest.mark.parametrize(
