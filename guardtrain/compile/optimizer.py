@@ -144,7 +144,6 @@ class StepCheck:
         "attributes",
         "direct",
         "groups",
-        "items",
         "lists",
         "mask",
         "params",
@@ -161,7 +160,6 @@ class StepCheck:
         groups = optimizer.param_groups
         self.groups = groups
         self.versions = [_dict_version(g) for g in groups]
-        self.items = [tuple(g.items()) for g in groups]
         self.lists = [(g["params"], list(g["params"])) for g in groups]
         self.params = tuple(p for g in groups for p in g["params"])
         state = optimizer.state
@@ -214,15 +212,15 @@ class StepCheck:
         return None
 
     def take_groups(self) -> None:
-        """Take the groups' values as they are now (the entry's guard manager accepted
-        them): the check then compares the next step with these."""
-        self.items = [tuple(g.items()) for g in self.groups]
+        """Take the groups' dictionary versions as they are now (the entry's guard manager
+        accepted their values, their ``params`` lists unchanged): the check then compares
+        the next step with these."""
         self.versions = [_dict_version(g) for g in self.groups]
 
     def _group_change(self) -> str:
         """A group's dictionary was written: its ``params`` replaced, or a hyperparameter."""
-        for group, items in zip(self.groups, self.items):
-            if group.get("params") is not dict(items).get("params"):
+        for group, (params, _) in zip(self.groups, self.lists):
+            if group.get("params") is not params:
                 return "params"
         return "hyperparameters"
 
