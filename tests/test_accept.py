@@ -19,6 +19,7 @@ from guardtrain.compile import accept
 from guardtrain.compile.accept import (
     ACCEPT_LIMIT,
     ADMITTED,
+    BROKEN,
     FULL_GUARDS,
     GUARD_SAMPLES,
     MISSED,
@@ -194,9 +195,9 @@ def test_full_guards_are_remembered_only_when_an_entry_accepts(cache: list[Any])
     cache += [_entry(_manager(_arg(1)))]
     target = _target()
     assert remember_full_guards(target, MODE, ("k2",), (X, 2), {}) is False
-    assert target.learnt.full_keys == {}
+    assert target.learnt.verdicts == {}
     assert remember_full_guards(target, MODE, ("k1",), (X, 1), {}) is True
-    assert target.learnt.full_keys == {MODE: {("k1",)}}
+    assert target.learnt.verdicts == {(MODE, ("k1",)): FULL_GUARDS}
 
 
 def test_remembered_full_guard_keys_start_again_past_the_limit(cache: list[Any]) -> None:
@@ -204,9 +205,9 @@ def test_remembered_full_guard_keys_start_again_past_the_limit(cache: list[Any])
     target = _target()
     for i in range(ACCEPT_LIMIT):
         assert remember_full_guards(target, MODE, (i,), (X,), {})
-    assert len(target.learnt.full_keys[MODE]) == ACCEPT_LIMIT
+    assert len(target.learnt.verdicts) == ACCEPT_LIMIT
     assert remember_full_guards(target, MODE, ("new",), (X,), {})
-    assert target.learnt.full_keys[MODE] == {("new",)}
+    assert target.learnt.verdicts == {(MODE, ("new",)): FULL_GUARDS}
 
 
 # -- admit (H26, H32, H44) ----------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def test_a_key_the_stances_choice_accepts_is_admitted_and_remembered(cache: list
     target = _target()
     assert _admit(target, X, 1) == ADMITTED
     key = _key(X, 1)
-    assert target.learnt.accepted == {MODE: {key}}
+    assert target.learnt.verdicts == {(MODE, key): ADMITTED}
     assert (target.last_key, target.last_mode) == (key, MODE)
     assert _evaluations(manager) == 1
     assert _admit(target, X, 1) == ADMITTED  # remembered: no guard evaluated again
@@ -244,10 +245,7 @@ def test_a_key_whose_stance_entry_breaks_the_graph_runs_with_full_guards(
     cache += [_entry(_manager(_arg(1), diff=_always), code=broken)]
     target = _target(graph_breaks=True)
     assert _admit(target, X, 1) == FULL_GUARDS
-    assert (
-        target.learnt.full_keys == {MODE: {_key(X, 1)}}
-        and target.learnt.accepted.get(MODE) == set()
-    )
+    assert target.learnt.verdicts == {(MODE, _key(X, 1)): BROKEN}
     assert target.last_key is None
     cache[0] = _entry(_manager(_arg(1), diff=_always))  # an entry that runs whole
     assert _admit(_target(graph_breaks=True), X, 1) == ADMITTED
@@ -271,8 +269,7 @@ def test_a_plain_argument_no_entry_was_compiled_against_is_missed(cache: list[An
     assert _admit(target, X, 1) == ADMITTED
     before = (target.last_key, target.last_mode)
     assert _admit(target, X, 2) == MISSED
-    assert _key(X, 2) not in target.learnt.accepted[MODE]
-    assert target.learnt.full_keys == {}  # nothing remembered for a miss
+    assert target.learnt.verdicts == {(MODE, _key(X, 1)): ADMITTED}  # nothing for a miss
     assert (target.last_key, target.last_mode) == before
 
 
@@ -285,21 +282,31 @@ def test_another_entry_accepting_runs_with_full_guards_and_is_remembered(
     cache += [_entry(stance_pick), _entry(other)]
     target = _target()
     assert _admit(target, X, 2) == FULL_GUARDS
-    assert target.learnt.full_keys == {MODE: {_key(X, 2)}}
-    assert target.learnt.accepted.get(MODE) == set()  # not admitted under the stance
+    # Remembered, and not admitted under the stance.
+    assert target.learnt.verdicts == {(MODE, _key(X, 2)): FULL_GUARDS}
     assert target.last_key is None
     seen = _evaluations(stance_pick, other)
     assert _admit(target, X, 2) == FULL_GUARDS  # remembered: no guard evaluated again
     assert _evaluations(stance_pick, other) == seen
 
 
-def test_an_admitted_key_wins_over_a_remembered_full_guard_key(cache: list[Any]) -> None:
-    cache += [_entry(_manager(_always, diff=_always))]
+@pytest.mark.parametrize(
+    ("remembered", "expected"),
+    [(ADMITTED, ADMITTED), (FULL_GUARDS, FULL_GUARDS), (BROKEN, FULL_GUARDS)],
+)
+def test_a_remembered_verdict_is_served_without_guards(
+    cache: list[Any], remembered: str, expected: str
+) -> None:
+    """One verdict per call kind: what is remembered for a mode and key decides its calls,
+    with no guard evaluated; the same key in another mode is evaluated afresh."""
+    manager = _manager(_never, diff=_always)
+    cache += [_entry(manager)]
     target = _target()
-    key = _key(X, 1)
-    target.learnt.full_keys[MODE] = {key}
-    target.learnt.accepted[MODE] = {key}
-    assert _admit(target, X, 1) == ADMITTED
+    target.learnt.verdicts[MODE, _key(X, 1)] = remembered
+    assert _admit(target, X, 1) == expected
+    assert _evaluations(manager) == 0
+    assert _admit(target, X, 1, mode=OTHER_MODE) == MISSED
+    assert _evaluations(manager) > 0
 
 
 def test_delegated_values_are_the_plain_values_in_the_diff_guards(cache: list[Any]) -> None:
@@ -313,7 +320,10 @@ def test_delegated_values_are_the_plain_values_in_the_diff_guards(cache: list[An
     # positions: 0 count, 1 the tensor (a source, but not a plain value), 2 the int,
     # 3 the str (no diff guard), 4 the keyword names, 5 the flag.
     assert target.learnt.delegated == {structure(key): frozenset({2, 5})}
-    assert target.learnt.accepted_masked == {MODE: {masked(key, frozenset({2, 5}))}}
+    assert target.learnt.verdicts == {
+        (MODE, key): ADMITTED,
+        (MODE, masked(key, frozenset({2, 5}))): ADMITTED,
+    }
 
 
 def test_a_new_value_the_stance_checks_itself_is_admitted_without_guards(
@@ -329,7 +339,7 @@ def test_a_new_value_the_stance_checks_itself_is_admitted_without_guards(
     assert _admit(target, X, 4) == ADMITTED
     assert _evaluations(manager) == seen
     assert target.last_key == _key(X, 4)
-    assert _key(X, 4) not in target.learnt.accepted[MODE]  # only its masked key stands for it
+    assert (MODE, _key(X, 4)) not in target.learnt.verdicts  # its masked key stands for it
     assert _admit(target, X, 4.0) == ADMITTED  # another type: another structure
     assert _evaluations(manager) > seen
 
@@ -340,7 +350,7 @@ def test_a_new_value_the_stance_does_not_check_evaluates_the_guards(cache: list[
     target = _target()
     assert _admit(target, X, 3) == ADMITTED
     assert target.learnt.delegated == {structure(_key(X, 3)): frozenset()}
-    assert target.learnt.accepted_masked == {MODE: set()}
+    assert target.learnt.verdicts == {(MODE, _key(X, 3)): ADMITTED}  # no masked key
     seen = _evaluations(manager)
     assert _admit(target, X, 4) == ADMITTED
     assert _evaluations(manager) > seen
@@ -357,13 +367,16 @@ def test_delegated_positions_are_found_once_per_structure(cache: list[Any]) -> N
 
 
 def test_admitted_keys_start_again_past_the_limit(cache: list[Any]) -> None:
-    """Past :data:`ACCEPT_LIMIT` keys the set is emptied, masked keys with it."""
+    """Past :data:`ACCEPT_LIMIT` verdicts the table is emptied, masked keys with it."""
     manager = _manager(_always, diff=_always, sources={"L['args'][2]"})
     cache += [_entry(manager)]
     target = _target()
-    for i in range(ACCEPT_LIMIT):
+    for i in range(ACCEPT_LIMIT // 2):  # each admitted key and its masked key
         assert _admit(target, X, i, "a") == ADMITTED
-    assert len(target.learnt.accepted[MODE]) == ACCEPT_LIMIT
+    assert len(target.learnt.verdicts) == ACCEPT_LIMIT
     assert _admit(target, X, "new", "a") == ADMITTED
-    assert target.learnt.accepted[MODE] == {_key(X, "new", "a")}
-    assert len(target.learnt.accepted_masked[MODE]) == 1
+    key = _key(X, "new", "a")
+    assert target.learnt.verdicts == {
+        (MODE, key): ADMITTED,
+        (MODE, masked(key, frozenset({3}))): ADMITTED,
+    }

@@ -22,6 +22,7 @@ from guardtrain.guardcheck import check as _guard_check
 __all__ = [
     "ACCEPT_LIMIT",
     "ADMITTED",
+    "BROKEN",
     "FULL_GUARDS",
     "GUARD_SAMPLES",
     "MISSED",
@@ -40,10 +41,10 @@ GUARD_SAMPLES = 32
 estimate of the saving; timing is reported, never decided on."""
 _clock = time.perf_counter_ns
 
-ACCEPT_LIMIT = 64
-"""Argument keys remembered per mode as accepted (:func:`admit`); past it the set starts
-again (an argument that takes a new value every call, and that Dynamo's stance does
-not check itself, is then checked on every call)."""
+ACCEPT_LIMIT = 256
+"""Verdicts remembered per target, every mode together (:func:`admit`); past it the table
+starts again (an argument that takes a new value every call, and that Dynamo's stance
+does not check itself, is then checked on every call)."""
 
 
 ADMITTED = "admitted"
@@ -53,6 +54,10 @@ FULL_GUARDS = "full guards"
 pick: the call runs with full guards (turbo: directly), the loop stays steady."""
 MISSED = "missed"
 """A verdict of :func:`admit`: no entry accepts the call; it leaves the stance."""
+BROKEN = "broken"
+"""A remembered verdict: Dynamo's entry for the call breaks the graph, so it runs with full
+guards (H4), under the stance's path and never harvested (:func:`admit` answers
+:data:`FULL_GUARDS` for it)."""
 
 
 def stance_pick(code: Any, scope: dict[str, Any]) -> Any:
@@ -147,16 +152,17 @@ def remember_full_guards(
     leaving the steady state (H44)."""
     if accepting_entry(target, args, kwargs) is None:
         return False
-    _remember(target, mode, key)
+    remember(target, mode, key, FULL_GUARDS)
     return True
 
 
-def _remember(target: TargetState, mode: CallMode, key: tuple[Any, ...]) -> None:
-    """Calls of ``mode`` with ``key`` run with full guards (until the entries change)."""
-    full = target.learnt.full_keys.setdefault(mode, set())
-    if len(full) >= ACCEPT_LIMIT:
-        full.clear()
-    full.add(key)
+def remember(target: TargetState, mode: CallMode, key: tuple[Any, ...], verdict: str) -> None:
+    """Calls of ``mode`` with ``key`` get ``verdict`` (until the entries change); past
+    :data:`ACCEPT_LIMIT` verdicts the table starts again."""
+    verdicts = target.learnt.verdicts
+    if len(verdicts) >= ACCEPT_LIMIT:
+        verdicts.clear()
+    verdicts[mode, key] = verdict
 
 
 def admit(
@@ -170,23 +176,22 @@ def admit(
     state: :data:`ADMITTED` (under the stance) when its key (or its key with the values
     the stance checks itself masked) was accepted before, or the entry the stance would
     pick accepts it with full guards now; :data:`FULL_GUARDS` when another entry accepts
-    it (remembered per key); :data:`MISSED` when none does. The stance evaluates only
-    the guards that tell entries apart, so a plain argument (an int, a flag, ``None``
-    for a tensor, a keyword) that no entry was compiled against otherwise runs a stale
-    entry."""
+    it, or its entry breaks the graph (remembered per key); :data:`MISSED` when none
+    does. The stance evaluates only the guards that tell entries apart, so a plain
+    argument (an int, a flag, ``None`` for a tensor, a keyword) that no entry was
+    compiled against otherwise runs a stale entry."""
     learnt = target.learnt
-    accepted = learnt.accepted.setdefault(mode, set())
-    if key in accepted:
+    verdicts = learnt.verdicts
+    verdict = verdicts.get((mode, key))
+    if verdict is None:
+        shape = structure(key)
+        delegated = learnt.delegated.get(shape)
+        if delegated:
+            verdict = verdicts.get((mode, masked(key, delegated)))
+    if verdict is ADMITTED:
         target.last_key, target.last_mode = key, mode
         return ADMITTED
-    shape = structure(key)
-    delegated = learnt.delegated.get(shape)
-    seen_masked = learnt.accepted_masked.setdefault(mode, set())
-    if delegated and masked(key, delegated) in seen_masked:
-        target.last_key, target.last_mode = key, mode
-        return ADMITTED
-    full = learnt.full_keys.get(mode)
-    if full is not None and key in full:
+    if verdict is not None:
         return FULL_GUARDS
     entry = stance_entry(target, args, kwargs)
     if entry is None:
@@ -194,17 +199,13 @@ def admit(
     if target.code.graph_breaks and not whole(entry.code):
         # The entry breaks the graph: under the stance a miss in a resumed frame would
         # come after part of the call ran (H4). Calls with this key run with full guards.
-        _remember(target, mode, key)
+        remember(target, mode, key, BROKEN)
         return FULL_GUARDS
-    manager = entry.guard_manager
-    if len(accepted) >= ACCEPT_LIMIT:
-        accepted.clear()
-        seen_masked.clear()
-    accepted.add(key)
+    remember(target, mode, key, ADMITTED)
     if delegated is None:
-        delegated = learnt.delegated[shape] = _delegated(manager, key, args, kwargs)
+        delegated = learnt.delegated[shape] = _delegated(entry.guard_manager, key, args, kwargs)
     if delegated:
-        seen_masked.add(masked(key, delegated))
+        remember(target, mode, masked(key, delegated), ADMITTED)
     target.last_key, target.last_mode = key, mode
     return ADMITTED
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import guardtrain.compile.call_mode as _call_mode
-from guardtrain.compile.accept import first_accepting
+from guardtrain.compile.accept import BROKEN, first_accepting, remember
 from guardtrain.compile.call_mode import CallMode, outside_state_clear
 from guardtrain.compile.direct import DIRECT_LIMIT, DirectEntry, whole
 from guardtrain.compile.miss import Miss, MissReason
@@ -45,13 +45,12 @@ def direct_entry(
     else:
         if not may_harvest(target, mode) or _call_mode.dispatch_mode_active():
             return None
-        broken = target.learnt.break_keys.get(mode)
-        if broken is not None and key in broken:
+        verdicts = target.learnt.verdicts
+        if verdicts.get((mode, key)) is BROKEN:
             return None  # Dynamo's entry for it breaks the graph: full guards (H4)
         harvested = harvest(target, mode, key, tensors, args, kwargs)
         if harvested is None:
-            broken = target.learnt.break_keys.get(mode)
-            if broken is None or key not in broken:
+            if verdicts.get((mode, key)) is not BROKEN:
                 # No entry's guards accept the call: the stance would run one compiled
                 # for other inputs (H26).
                 target.on_miss(target, _UNACCEPTED)
@@ -88,7 +87,8 @@ def harvest(
     first whose guard manager accepts it, in cache order), as a :class:`DirectEntry`
     for calls like it, added to the table; None when no entry accepts the call, or when
     that entry breaks the graph (:func:`~guardtrain.compile.direct.whole`): then the
-    call's key joins ``break_keys``, and calls with it run with full guards."""
+    call's kind is remembered as :data:`~guardtrain.compile.accept.BROKEN`, and calls of it
+    run with full guards."""
     learnt = target.learnt
     learnt.harvests += 1
     scope = target.call_scope(args, kwargs)
@@ -97,7 +97,7 @@ def harvest(
         return None
     entry, entries = found
     if not whole(entry.code):
-        learnt.break_keys.setdefault(mode, set()).add(key)
+        remember(target, mode, key, BROKEN)
         return None
     code = target.code
     several = entries > 1 and code.mode_compiles.get(mode, 0) != 1

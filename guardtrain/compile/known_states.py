@@ -77,16 +77,13 @@ class Learnt:
     another member's kept guards (a scalar attribute) may pick another entry."""
     harvests: int = 0
     """Guard-manager evaluations spent harvesting since the table was last emptied."""
-    accepted: dict[CallMode, set[tuple[Any, ...]]] = field(default_factory=dict)
-    """Argument keys that the stance's own choice of entry was shown to accept, per mode
-    (H32)."""
-    accepted_masked: dict[CallMode, set[tuple[Any, ...]]] = field(default_factory=dict)
-    """The same with the plain values that Dynamo's stance checks itself masked."""
-    full_keys: dict[CallMode, set[tuple[Any, ...]]] = field(default_factory=dict)
-    """Argument keys per mode that an entry accepts but the stance's own choice does not
-    (H44), or whose entry breaks the graph (H4): such calls run with full guards."""
-    break_keys: dict[CallMode, set[tuple[Any, ...]]] = field(default_factory=dict)
-    """Argument keys per mode whose harvested entry breaks the graph: full guards."""
+    verdicts: dict[tuple[CallMode, tuple[Any, ...]], str] = field(default_factory=dict)
+    """One verdict per call kind, ``(mode, argument key)``
+    (:mod:`~guardtrain.compile.accept`): ``ADMITTED``, the stance's own choice of entry was
+    shown to accept it (H32; a key with the plain values the stance checks itself masked
+    stands for every key like it); ``FULL_GUARDS``, an entry accepts it but not the
+    stance's choice (H44); ``BROKEN``, Dynamo's entry for it breaks the graph (H4). The
+    last two run with full guards, and a broken one is never harvested."""
     delegated: dict[tuple[Any, ...], frozenset[int]] = field(default_factory=dict)
     """Per key structure, the positions of plain values in the entries' diff guards,
     which the stance evaluates on every call."""
