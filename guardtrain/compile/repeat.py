@@ -59,36 +59,35 @@ def repeat_key(key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, An
     # One index gives the item itself, several a tuple: the expected value has the same form.
     plains = itemgetter(*plain_at) if plain_at else itemgetter(slice(0, 0))
     expected = plains(values)
-    count, first = len(tensor_at), tensor_at[0]
-    several = itemgetter(*tensor_at) if count > 1 else None
-    n, names = len(args), tuple(kwargs)
+    count = len(tensor_at)
+    # One tensor: a one-item slice of the arguments. Several: an itemgetter's tuple.
+    tensors_of = (
+        itemgetter(slice(tensor_at[0], tensor_at[0] + 1)) if count == 1 else itemgetter(*tensor_at)
+    )
+    names = tuple(kwargs)
 
+    # The types' tuple fixes the number of arguments (with the keyword names, how many
+    # are positional), and is compared before the values are taken by position.
     if kwargs:
 
         def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if len(args) == n and tuple(kwargs) == names:
-                values = (*args, *kwargs.values())
-                if plains(values) == expected and tuple(map(type, values)) == kinds:
-                    if several is None:
-                        return key, (values[first],)
-                    found = several(values)
-                    if len(set(map(id, found))) == count:
-                        return key, found
+            values = (*args, *kwargs.values())
+            if (
+                tuple(map(type, values)) == kinds
+                and tuple(kwargs) == names
+                and plains(values) == expected
+            ):
+                found = tensors_of(values)
+                if count == 1 or len(set(map(id, found))) == count:
+                    return key, found
             return call_key(args, kwargs)
 
     else:
 
         def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if (
-                not kwargs
-                and len(args) == n
-                and plains(args) == expected
-                and tuple(map(type, args)) == kinds
-            ):
-                if several is None:
-                    return key, (args[first],)
-                found = several(args)
-                if len(set(map(id, found))) == count:
+            if not kwargs and tuple(map(type, args)) == kinds and plains(args) == expected:
+                found = tensors_of(args)
+                if count == 1 or len(set(map(id, found))) == count:
                     return key, found
             return call_key(args, kwargs)
 
