@@ -9,7 +9,8 @@ optimizer from the same seed:
 * ``plain compile``: ``torch.compile`` of a function that calls ``opt.step()``
   (PyTorch's recipe: three frames a step);
 * ``guardtrain``: ``compile_optimizer=True`` (one frame, run directly while nothing
-  changed; ``GuardTuner`` with the ``off`` preset, so only the step differs);
+  changed, with full guards on a step whose lr the schedule moved; ``GuardTuner`` with the
+  ``off`` preset, so only the step differs);
 * ``guardtrain, full guards``: the same compiled step with every step through Dynamo's
   guards: what the direct path saves.
 
@@ -18,8 +19,9 @@ Each step: fresh gradients from one forward and backward (not timed), then the t
 float lr every step. Timed by the calling thread's CPU time and the wall clock
 (:mod:`~guardtrain.bench.timing`; at one thread the CPU time decides). Reported per
 size: the median µs per step with quartiles and each ratio to plain compile; then what
-``--check`` holds: the direct path's own check (``CompiledStep.decide``, timed on its own in
-the steady state, median of repeats) against plain compile's cache lookup per step
+``--check`` holds: the direct path's own check (``StepCheck.change``, timed on its own in
+the steady state with nothing moved, median of repeats; with ``schedule`` every step moves
+the lr and runs with full guards, so there is none) against plain compile's cache lookup per step
 (Dynamo's "TorchDynamo Cache Lookup" events of the recipe's frames, profiled), at most
 :data:`CHECK_SHARE`; and the compiled steps' ``summary()["optimizers"]``.
 """
@@ -95,8 +97,9 @@ def _step(run: dict[str, Any], x: torch.Tensor, clock: Callable[[], int]) -> flo
 
 def _check_us(run: dict[str, Any], x: torch.Tensor, clock: Callable[[], int]) -> float | None:
     """The direct path's check on its own, in the steady state (gradients fresh, the
-    entry harvested), as a step runs it (``CompiledStep.decide``, under ``no_grad``, after
-    the schedule's step where there is one): median µs of 50."""
+    entry harvested, nothing moved), as a step runs it (``StepCheck.change``, under
+    ``no_grad``): median µs of 50; None where no entry is harvested (a schedule moves the
+    lr every step: those steps run with full guards)."""
     compiled = installed(run["opt"])
     run["model"](x).square().mean().backward()
     check = None if compiled is None else compiled.check
@@ -106,10 +109,8 @@ def _check_us(run: dict[str, Any], x: torch.Tensor, clock: Callable[[], int]) ->
     times = []
     with torch.no_grad():
         for _ in range(50):
-            if run["sched"] is not None:
-                run["sched"].step()  # a new lr, as before every step
             started = clock()
-            change, _ = compiled.decide(check)
+            change = check.change(run["opt"])
             times.append((clock() - started) / 1e3)
             if change is not None:
                 raise RuntimeError(f"the direct path's check found a change: {change}")
@@ -142,14 +143,17 @@ def _size(
         lookups = [_lookup_us(runs["plain compile"], x) for _ in range(3)]
     finally:
         summaries = _close(runs)
-    check = statistics.median([c for c in checks if c is not None] or [float("nan")])
+    found = [c for c in checks if c is not None]
+    check = statistics.median(found) if found else None
     lookup = statistics.median([v for v in lookups if v is not None] or [float("nan")])
     return {
         "parameters": sum(1 for _ in runs[CONFIGS[0]]["model"].parameters()),
         "rows": _rows(times),
         "check_us": check,
         "plain_lookup_us": lookup,
-        "check_share": check / lookup if lookup == lookup and lookup else None,
+        "check_share": check / lookup
+        if check is not None and lookup == lookup and lookup
+        else None,
         "optimizers": summaries,
     }
 
@@ -236,10 +240,14 @@ def format_optimizer_step(data: dict[str, Any]) -> str:
                 f"| {name} | {row['median_us']:.0f} | {row['q1_us']:.0f}-{row['q3_us']:.0f} "
                 f"| {row['ratio']:.2f} |"
             )
-        share = size["check_share"]
+        share, check = size["check_share"], size["check_us"]
         lines.append(
-            f"direct path's check {size['check_us']:.1f} µs a step; plain compile's lookup "
-            f"{size['plain_lookup_us']:.0f} µs a step"
+            (
+                "no direct step: the schedule moves the lr every step (full guards)"
+                if check is None
+                else f"direct path's check {check:.1f} µs a step"
+            )
+            + f"; plain compile's lookup {size['plain_lookup_us']:.0f} µs a step"
             + ("" if share is None else f"; share {share:.3f}")
         )
         for name, summary in size["optimizers"].items():

@@ -22,10 +22,11 @@ hyperparameter, and its entries have no diff guards: the stance raises on them.
   which gradients are ``None``, and the gradients' metadata. Its cost per step is a few
   C calls plus a pass over the gradients.
 
-A written hyperparameter (a scheduled float ``lr``) is asked of the harvested entry's own
-guard manager, as Dynamo would ask it: where that entry is still the first to accept the
-step, the step runs it directly (Dynamo recompiles once, at the lr's second value, and
-then takes it as an input); else with full guards. ``load_state_dict`` rewrites the
+A step whose hyperparameters were written (a scheduled float ``lr``) runs with full
+guards: Dynamo's own guards decide it (it recompiles once, at the lr's second value, and
+then takes the lr as an input), and the entry is harvested again at the first step after
+one where nothing was written. Asking the harvested entry's guard manager first and then
+running it directly cost more than that full-guards step (docs/bench.md). ``load_state_dict`` rewrites the
 optimizer's ``__dict__``; ``add_param_group`` lengthens the list; a frozen parameter's
 gradient is ``None``; the first step creates the state; a tensor assigned by hand into
 ``opt.state[p]`` writes that parameter's state; a module-level flag of ``torch.optim``
@@ -211,12 +212,6 @@ class StepCheck:
             return "entry forgotten"  # Dynamo's reset()
         return None
 
-    def take_groups(self) -> None:
-        """Take the groups' dictionary versions as they are now (the entry's guard manager
-        accepted their values, their ``params`` lists unchanged): the check then compares
-        the next step with these."""
-        self.versions = [_dict_version(g) for g in self.groups]
-
     def _group_change(self) -> str:
         """A group's dictionary was written: its ``params`` replaced, or a hyperparameter."""
         for group, (params, _) in zip(self.groups, self.lists):
@@ -282,6 +277,8 @@ class CompiledStep:
             # torch marks the fused update `torch.compiler.disable`: a graph break (plain
             # compile runs it eagerly too); it is one kernel already.
             self.eager = "fused=True: one fused kernel, which Dynamo does not trace"
+        self.group_versions: list[int] = []
+        """The groups' dictionary versions at the last step without a harvested entry."""
         self.direct_allowed = True
         """False: every step with full guards (the run's lookup window and audits; the
         bench's measure of what direct dispatch saves)."""
@@ -341,40 +338,25 @@ class CompiledStep:
             return
         check = self.check
         if check is not None:
-            change, served = self.decide(check)
+            change = check.change(self.optimizer)
             if change is None:
-                if served:
-                    self.changes["hyperparameters, served directly"] += 1
                 check.direct.fn()
                 self.direct_steps += 1
                 return
             self.changes[change] += 1
-        self._full()
-
-    def decide(self, check: StepCheck) -> tuple[str | None, bool]:
-        """The direct path's check before a step: what changed since the entry was
-        harvested (None: run it), and whether a written hyperparameter was served (a
-        scheduled lr that the entry takes as an input).
-
-        A written hyperparameter is asked of the harvested entry's own guard manager, as
-        Dynamo would ask it: where that entry is still the first to accept the step, the
-        check takes the groups' values as they are now and checks the rest again. (A state
-        tensor replaced is not asked: Dynamo holds the state's tensors by identity.)"""
-        opt = self.optimizer
-        change = check.structure_change(opt)
-        if change is None:
-            change = check.tensor_change()
-            return change, False
-        if change != "hyperparameters" or cache_entry_list is None:
-            return change, False
-        found = first_accepting(self.trampoline, self._scope())
-        if found is None or found[0].code is not check.direct.code:
-            return check.tensor_change() or change, False  # a frozen parameter, by name
-        # Its guards passed the gradients and the state too: the rest of the structure
-        # (a state or params list written as well) is checked again.
-        check.take_groups()
-        change = check.structure_change(opt)
-        return change, change is None
+            if change != "hyperparameters":
+                self._full()
+                return
+            self.check = None
+        # No harvested entry, or hyperparameters written (a scheduled lr): this step with
+        # full guards, and a harvest only after a step where no group was written.
+        versions = [_dict_version(g) for g in self.optimizer.param_groups]
+        written = versions != self.group_versions
+        if written and check is None and self.group_versions:
+            self.changes["hyperparameters"] += 1  # written again before a harvest
+        self.group_versions = versions
+        if self._guarded() and not written:
+            self._harvest()
 
     def _full(self) -> None:
         """A step with full guards (Dynamo may compile), then the entry it ran harvested."""

@@ -88,5 +88,5 @@ class OptimizerSteps:
 
     def summary(self) -> list[dict[str, Any]]:
         """Per optimizer: its class, compiles, direct and full-guard steps, the changes
-        that sent a step to full guards (or were served directly), why it ran eagerly."""
+        that sent a step to full guards, why it ran eagerly."""
         return [step.summary() for step in self.steps]
