@@ -89,16 +89,18 @@ def _entries(batch: dict[Any, Any]) -> tuple[Any, ...]:
 
 def _member_of_exact(value: Any) -> Any:
     """The signature of a member of an exact tuple, list or dict that is neither a tensor
-    nor a plain value: an array with a shape, dtype and device (NumPy's) by that metadata,
-    a transformers cache by its type (its tensors grow every decode call; the call's own
-    checks read them, H53), anything else by :func:`batch_signature`."""
+    nor a plain value: an array (a type with NumPy's ``__array_interface__`` or a
+    ``__dlpack__``) by its shape, dtype and device, anything else by
+    :func:`batch_signature` (a container recursed into, a transformers cache by its type)."""
     cls = type(value)
-    if cls is tuple or cls is list or cls is dict or class_dicts(cls) is not None:
-        return batch_signature(value)
-    try:
-        return (value.shape, value.dtype, value.device)
-    except AttributeError:
-        return batch_signature(value)
+    if hasattr(cls, "__array_interface__") or hasattr(cls, "__dlpack__"):
+        try:
+            shape = value.shape
+            if type(shape) is tuple:
+                return (shape, value.dtype, value.device)
+        except Exception:  # an array type without a device (NumPy before 2.0): recursed
+            pass
+    return batch_signature(value)
 
 
 _TensorGuards: Any = getattr(guards, "TensorGuards", None)

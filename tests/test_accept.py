@@ -197,7 +197,7 @@ def test_full_guards_are_remembered_only_when_an_entry_accepts(cache: list[Any])
     assert remember_full_guards(target, MODE, ("k2",), (X, 2), {}) is False
     assert target.learnt.verdicts == {}
     assert remember_full_guards(target, MODE, ("k1",), (X, 1), {}) is True
-    assert target.learnt.verdicts == {(MODE, ("k1",)): FULL_GUARDS}
+    assert target.learnt.verdicts == {MODE: {("k1",): FULL_GUARDS}}
 
 
 def test_remembered_full_guard_keys_start_again_past_the_limit(cache: list[Any]) -> None:
@@ -205,9 +205,9 @@ def test_remembered_full_guard_keys_start_again_past_the_limit(cache: list[Any])
     target = _target()
     for i in range(ACCEPT_LIMIT):
         assert remember_full_guards(target, MODE, (i,), (X,), {})
-    assert len(target.learnt.verdicts) == ACCEPT_LIMIT
+    assert len(target.learnt.verdicts[MODE]) == ACCEPT_LIMIT
     assert remember_full_guards(target, MODE, ("new",), (X,), {})
-    assert target.learnt.verdicts == {(MODE, ("new",)): FULL_GUARDS}
+    assert target.learnt.verdicts == {MODE: {("new",): FULL_GUARDS}}
 
 
 # -- admit (H26, H32, H44) ----------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_a_key_the_stances_choice_accepts_is_admitted_and_remembered(cache: list
     target = _target()
     assert _admit(target, X, 1) == ADMITTED
     key = _key(X, 1)
-    assert target.learnt.verdicts == {(MODE, key): ADMITTED}
+    assert target.learnt.verdicts == {MODE: {key: ADMITTED}}
     assert (target.last_key, target.last_mode) == (key, MODE)
     assert _evaluations(manager) == 1
     assert _admit(target, X, 1) == ADMITTED  # remembered: no guard evaluated again
@@ -245,7 +245,7 @@ def test_a_key_whose_stance_entry_breaks_the_graph_runs_with_full_guards(
     cache += [_entry(_manager(_arg(1), diff=_always), code=broken)]
     target = _target(graph_breaks=True)
     assert _admit(target, X, 1) == FULL_GUARDS
-    assert target.learnt.verdicts == {(MODE, _key(X, 1)): BROKEN}
+    assert target.learnt.verdicts == {MODE: {_key(X, 1): BROKEN}}
     assert target.last_key is None
     cache[0] = _entry(_manager(_arg(1), diff=_always))  # an entry that runs whole
     assert _admit(_target(graph_breaks=True), X, 1) == ADMITTED
@@ -269,7 +269,7 @@ def test_a_plain_argument_no_entry_was_compiled_against_is_missed(cache: list[An
     assert _admit(target, X, 1) == ADMITTED
     before = (target.last_key, target.last_mode)
     assert _admit(target, X, 2) == MISSED
-    assert target.learnt.verdicts == {(MODE, _key(X, 1)): ADMITTED}  # nothing for a miss
+    assert target.learnt.verdicts == {MODE: {_key(X, 1): ADMITTED}}  # nothing for a miss
     assert (target.last_key, target.last_mode) == before
 
 
@@ -283,7 +283,7 @@ def test_another_entry_accepting_runs_with_full_guards_and_is_remembered(
     target = _target()
     assert _admit(target, X, 2) == FULL_GUARDS
     # Remembered, and not admitted under the stance.
-    assert target.learnt.verdicts == {(MODE, _key(X, 2)): FULL_GUARDS}
+    assert target.learnt.verdicts == {MODE: {_key(X, 2): FULL_GUARDS}}
     assert target.last_key is None
     seen = _evaluations(stance_pick, other)
     assert _admit(target, X, 2) == FULL_GUARDS  # remembered: no guard evaluated again
@@ -302,7 +302,7 @@ def test_a_remembered_verdict_is_served_without_guards(
     manager = _manager(_never, diff=_always)
     cache += [_entry(manager)]
     target = _target()
-    target.learnt.verdicts[MODE, _key(X, 1)] = remembered
+    target.learnt.verdicts[MODE] = {_key(X, 1): remembered}
     assert _admit(target, X, 1) == expected
     assert _evaluations(manager) == 0
     assert _admit(target, X, 1, mode=OTHER_MODE) == MISSED
@@ -321,8 +321,7 @@ def test_delegated_values_are_the_plain_values_in_the_diff_guards(cache: list[An
     # 3 the str (no diff guard), 4 the keyword names, 5 the flag.
     assert target.learnt.delegated == {structure(key): frozenset({2, 5})}
     assert target.learnt.verdicts == {
-        (MODE, key): ADMITTED,
-        (MODE, masked(key, frozenset({2, 5}))): ADMITTED,
+        MODE: {key: ADMITTED, masked(key, frozenset({2, 5})): ADMITTED}
     }
 
 
@@ -339,7 +338,7 @@ def test_a_new_value_the_stance_checks_itself_is_admitted_without_guards(
     assert _admit(target, X, 4) == ADMITTED
     assert _evaluations(manager) == seen
     assert target.last_key == _key(X, 4)
-    assert (MODE, _key(X, 4)) not in target.learnt.verdicts  # its masked key stands for it
+    assert _key(X, 4) not in target.learnt.verdicts[MODE]  # its masked key stands for it
     assert _admit(target, X, 4.0) == ADMITTED  # another type: another structure
     assert _evaluations(manager) > seen
 
@@ -350,7 +349,7 @@ def test_a_new_value_the_stance_does_not_check_evaluates_the_guards(cache: list[
     target = _target()
     assert _admit(target, X, 3) == ADMITTED
     assert target.learnt.delegated == {structure(_key(X, 3)): frozenset()}
-    assert target.learnt.verdicts == {(MODE, _key(X, 3)): ADMITTED}  # no masked key
+    assert target.learnt.verdicts == {MODE: {_key(X, 3): ADMITTED}}  # no masked key
     seen = _evaluations(manager)
     assert _admit(target, X, 4) == ADMITTED
     assert _evaluations(manager) > seen
@@ -366,6 +365,30 @@ def test_delegated_positions_are_found_once_per_structure(cache: list[Any]) -> N
     assert target.learnt.delegated == {structure(_key(X, 3)): frozenset({2})}
 
 
+def test_a_mode_past_the_limit_keeps_the_other_modes_verdicts(cache: list[Any]) -> None:
+    """A key that changes on every call in one mode (a step counter in evaluation)
+    empties that mode's table only."""
+    cache += [_entry(_manager(_always, diff=_always))]
+    target = _target()
+    assert _admit(target, X, "train", mode=OTHER_MODE) == ADMITTED
+    for i in range(ACCEPT_LIMIT + 1):
+        assert _admit(target, X, i) == ADMITTED
+    assert target.learnt.verdicts[OTHER_MODE] == {_key(X, "train"): ADMITTED}
+
+
+def test_a_target_with_graph_breaks_admits_no_key_by_its_masked_key(cache: list[Any]) -> None:
+    """A new value that the stance checks itself could pick another entry, one that breaks
+    the graph (H4): on a target with graph breaks each new key is evaluated."""
+    manager = _manager(_always, diff=_always, sources={"L['args'][1]"})
+    cache += [_entry(manager)]
+    target = _target(graph_breaks=True)
+    assert _admit(target, X, 3) == ADMITTED
+    seen = _evaluations(manager)
+    assert _admit(target, X, 4) == ADMITTED
+    assert _evaluations(manager) > seen
+    assert target.learnt.verdicts == {MODE: {_key(X, 3): ADMITTED, _key(X, 4): ADMITTED}}
+
+
 def test_admitted_keys_start_again_past_the_limit(cache: list[Any]) -> None:
     """Past :data:`ACCEPT_LIMIT` verdicts the table is emptied, masked keys with it."""
     manager = _manager(_always, diff=_always, sources={"L['args'][2]"})
@@ -373,10 +396,7 @@ def test_admitted_keys_start_again_past_the_limit(cache: list[Any]) -> None:
     target = _target()
     for i in range(ACCEPT_LIMIT // 2):  # each admitted key and its masked key
         assert _admit(target, X, i, "a") == ADMITTED
-    assert len(target.learnt.verdicts) == ACCEPT_LIMIT
+    assert len(target.learnt.verdicts[MODE]) == ACCEPT_LIMIT
     assert _admit(target, X, "new", "a") == ADMITTED
     key = _key(X, "new", "a")
-    assert target.learnt.verdicts == {
-        (MODE, key): ADMITTED,
-        (MODE, masked(key, frozenset({3}))): ADMITTED,
-    }
+    assert target.learnt.verdicts == {MODE: {key: ADMITTED, masked(key, frozenset({3})): ADMITTED}}

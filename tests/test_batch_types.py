@@ -218,6 +218,38 @@ def test_the_mixed_fast_paths_give_the_general_signature() -> None:
     )
 
 
+class _AnyAttribute(dict):  # type: ignore[type-arg]
+    """A dict whose attributes never fail (addict's, Box's): no array, a dict."""
+
+    def __getattr__(self, name: str) -> Any:
+        return _AnyAttribute()
+
+
+class _Image:
+    """Not an array: a ``shape`` property beside other tensors."""
+
+    def __init__(self, pixels: torch.Tensor, mask: torch.Tensor) -> None:
+        self.pixels, self.mask = pixels, mask
+
+    @property
+    def shape(self) -> Any:
+        return self.pixels.shape
+
+
+def test_only_arrays_count_by_their_own_metadata() -> None:
+    """A member that merely answers ``shape`` (any attribute, or a property beside other
+    tensors) is read as any other object: a dict recursed into, the rest as before."""
+    x = _t(4, 2)
+    got = batch_signature({"b": _AnyAttribute(x=x), "n": 1})
+    hash(got)
+    assert got == (
+        dict,
+        (("b", (_AnyAttribute, (("x", (x.shape, x.dtype, x.device)),))), ("n", int)),
+    )
+    # Read as any object (by its type), not as an array of the pixels' shape alone.
+    assert batch_signature((_Image(x, _t(4)), 1)) == (tuple, (_Image, int))
+
+
 @pytest.mark.parametrize(
     ("batch", "expected"),
     [

@@ -277,6 +277,42 @@ def test_a_state_tensor_replaced_beside_a_scheduled_lr_is_never_served() -> None
     assert o["direct_steps"] == 0 and o["compiles"] >= 3, o
 
 
+def _same_lr(i: int, model: Net, opt: torch.optim.Optimizer) -> None:
+    for group in opt.param_groups:  # a scheduler that writes an unchanged lr every step:
+        group["lr"] = float.fromhex((0.01).hex())  # a new float object (a new dict version)
+
+
+def test_an_unchanged_lr_written_every_step_still_runs_directly() -> None:
+    """A write that leaves every hyperparameter's value as it was (a constant schedule, a
+    warm-up's end) is no change: the steps run the harvested entry directly."""
+    o = compare(change=_same_lr)
+    assert o["direct_steps"] >= STEPS - 3 and o["compiles"] <= 2, o
+    assert "hyperparameters" not in o["changes"], o
+
+
+def _state_beside_one_lr_write(lr: float) -> Callable[[int, Net, torch.optim.Optimizer], None]:
+    def change(i: int, model: Net, opt: torch.optim.Optimizer) -> None:
+        if i == 6:  # one lr write and a moment replaced by hand, in the same step
+            opt.param_groups[0]["lr"] = float.fromhex(lr.hex())  # a new object
+            p = model.body[0].weight
+            opt.state[p]["exp_avg"] = torch.zeros_like(opt.state[p]["exp_avg"])
+
+    return change
+
+
+@pytest.mark.parametrize(("lr", "seen"), [(0.01, "state"), (0.02, "hyperparameters")])
+def test_a_state_tensor_replaced_beside_an_lr_write_is_never_run_directly(
+    lr: float, seen: str
+) -> None:
+    """The steps run directly before and after; the one after the write takes full guards
+    whether the lr kept its value (the state is then what the check finds) or not, and
+    Dynamo recompiles for the new state tensor, as plain compile does (``compare`` asserts
+    it bitwise)."""
+    o = compare(change=_state_beside_one_lr_write(lr))
+    assert o["changes"].get(seen, 0) >= 1, o
+    assert o["direct_steps"] >= STEPS - 6, o
+
+
 def test_a_global_the_update_reads_changed_between_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

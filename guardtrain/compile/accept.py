@@ -41,9 +41,9 @@ GUARD_SAMPLES = 32
 estimate of the saving; timing is reported, never decided on."""
 _clock = time.perf_counter_ns
 
-ACCEPT_LIMIT = 256
-"""Verdicts remembered per target, every mode together (:func:`admit`); past it the table
-starts again (an argument that takes a new value every call, and that Dynamo's stance
+ACCEPT_LIMIT = 128
+"""Verdicts remembered per mode (:func:`admit`; a masked key counts as one); past it the
+mode's table starts again (an argument that takes a new value every call, and that Dynamo's stance
 does not check itself, is then checked on every call)."""
 
 
@@ -140,6 +140,10 @@ def first_accepting(code: Any, scope: dict[str, Any]) -> Any:
     return None
 
 
+_NONE: dict[Any, str] = {}
+"""No verdicts yet for a mode (never written)."""
+
+
 def remember_full_guards(
     target: TargetState,
     mode: CallMode,
@@ -159,10 +163,10 @@ def remember_full_guards(
 def remember(target: TargetState, mode: CallMode, key: tuple[Any, ...], verdict: str) -> None:
     """Calls of ``mode`` with ``key`` get ``verdict`` (until the entries change); past
     :data:`ACCEPT_LIMIT` verdicts the table starts again."""
-    verdicts = target.learnt.verdicts
+    verdicts = target.learnt.verdicts.setdefault(mode, {})
     if len(verdicts) >= ACCEPT_LIMIT:
         verdicts.clear()
-    verdicts[mode, key] = verdict
+    verdicts[key] = verdict
 
 
 def admit(
@@ -181,13 +185,14 @@ def admit(
     argument (an int, a flag, ``None`` for a tensor, a keyword) that no entry was
     compiled against otherwise runs a stale entry."""
     learnt = target.learnt
-    verdicts = learnt.verdicts
-    verdict = verdicts.get((mode, key))
+    verdicts = learnt.verdicts.get(mode, _NONE)
+    verdict = verdicts.get(key)
     if verdict is None:
         shape = structure(key)
         delegated = learnt.delegated.get(shape)
-        if delegated:
-            verdict = verdicts.get((mode, masked(key, delegated)))
+        # Not on a target with graph breaks: another value could pick an entry that breaks.
+        if delegated and not target.code.graph_breaks:
+            verdict = verdicts.get(masked(key, delegated))
     if verdict is ADMITTED:
         target.last_key, target.last_mode = key, mode
         return ADMITTED
@@ -204,7 +209,7 @@ def admit(
     remember(target, mode, key, ADMITTED)
     if delegated is None:
         delegated = learnt.delegated[shape] = _delegated(entry.guard_manager, key, args, kwargs)
-    if delegated:
+    if delegated and not target.code.graph_breaks:
         remember(target, mode, masked(key, delegated), ADMITTED)
     target.last_key, target.last_mode = key, mode
     return ADMITTED

@@ -46,11 +46,11 @@ def direct_entry(
         if not may_harvest(target, mode) or _call_mode.dispatch_mode_active():
             return None
         verdicts = target.learnt.verdicts
-        if verdicts.get((mode, key)) is BROKEN:
+        if verdicts.get(mode, {}).get(key) is BROKEN:
             return None  # Dynamo's entry for it breaks the graph: full guards (H4)
         harvested = harvest(target, mode, key, tensors, args, kwargs)
         if harvested is None:
-            if verdicts.get((mode, key)) is not BROKEN:
+            if verdicts.get(mode, {}).get(key) is not BROKEN:
                 # No entry's guards accept the call: the stance would run one compiled
                 # for other inputs (H26).
                 target.on_miss(target, _UNACCEPTED)

@@ -77,8 +77,8 @@ class Learnt:
     another member's kept guards (a scalar attribute) may pick another entry."""
     harvests: int = 0
     """Guard-manager evaluations spent harvesting since the table was last emptied."""
-    verdicts: dict[tuple[CallMode, tuple[Any, ...]], str] = field(default_factory=dict)
-    """One verdict per call kind, ``(mode, argument key)``
+    verdicts: dict[CallMode, dict[tuple[Any, ...], str]] = field(default_factory=dict)
+    """One verdict per call kind, by mode and argument key
     (:mod:`~guardtrain.compile.accept`): ``ADMITTED``, the stance's own choice of entry was
     shown to accept it (H32; a key with the plain values the stance checks itself masked
     stands for every key like it); ``FULL_GUARDS``, an entry accepts it but not the

@@ -22,11 +22,13 @@ hyperparameter, and its entries have no diff guards: the stance raises on them.
   which gradients are ``None``, and the gradients' metadata. Its cost per step is a few
   C calls plus a pass over the gradients.
 
-A step whose hyperparameters were written (a scheduled float ``lr``) runs with full
+A step whose hyperparameters took new values (a scheduled float ``lr``) runs with full
 guards: Dynamo's own guards decide it (it recompiles once, at the lr's second value, and
 then takes the lr as an input), and the entry is harvested again at the first step after
-one where nothing was written. Asking the harvested entry's guard manager first and then
-running it directly cost more than that full-guards step (docs/bench.md). ``load_state_dict`` rewrites the
+one whose values had not changed. Asking the harvested entry's guard manager first and
+then running it directly cost more than that full-guards step (docs/bench.md). A write
+that leaves every value as it was (a constant schedule) is no change: plain values are
+compared by type and value, others by identity. ``load_state_dict`` rewrites the
 optimizer's ``__dict__``; ``add_param_group`` lengthens the list; a frozen parameter's
 gradient is ``None``; the first step creates the state; a tensor assigned by hand into
 ``opt.state[p]`` writes that parameter's state; a module-level flag of ``torch.optim``
@@ -44,6 +46,7 @@ Refused (:func:`refusal`): ``LBFGS`` (its closure runs many times inside its upd
 from __future__ import annotations
 
 import collections
+import math
 import operator
 import types
 import weakref
@@ -151,6 +154,7 @@ class StepCheck:
         "polled",
         "state_total",
         "states",
+        "values",
         "versions",
     )
 
@@ -161,6 +165,7 @@ class StepCheck:
         groups = optimizer.param_groups
         self.groups = groups
         self.versions = [_dict_version(g) for g in groups]
+        self.values = [_hyperparameters(g) for g in groups]
         self.lists = [(g["params"], list(g["params"])) for g in groups]
         self.params = tuple(p for g in groups for p in g["params"])
         state = optimizer.state
@@ -174,9 +179,9 @@ class StepCheck:
 
     def change(self, optimizer: torch.optim.Optimizer) -> str | None:
         """What changed since the entry was harvested, or None (the step may run it)."""
-        return self.structure_change(optimizer) or self.tensor_change()
+        return self._structure_change(optimizer) or self._tensor_change()
 
-    def structure_change(self, optimizer: torch.optim.Optimizer) -> str | None:
+    def _structure_change(self, optimizer: torch.optim.Optimizer) -> str | None:
         """The optimizer's attributes, groups, parameter lists and polled dicts."""
         if _dict_version(optimizer.__dict__) != self.attributes:
             if optimizer.param_groups is not self.groups:
@@ -195,7 +200,7 @@ class StepCheck:
             return self._moved()
         return None
 
-    def tensor_change(self) -> str | None:
+    def _tensor_change(self) -> str | None:
         """The gradients' presence and metadata, the global state, the entry's life."""
         grads = list(map(_grad, self.params))
         direct, mask = self.direct, self.mask
@@ -212,6 +217,15 @@ class StepCheck:
             return "entry forgotten"  # Dynamo's reset()
         return None
 
+    def same_values(self) -> bool:
+        """Whether every group holds the values it held at the harvest, though written (a
+        scheduler writing an unchanged lr): then its versions are taken as they are now,
+        and the check goes on from them."""
+        if [_hyperparameters(g) for g in self.groups] != self.values:
+            return False
+        self.versions = [_dict_version(g) for g in self.groups]
+        return True
+
     def _group_change(self) -> str:
         """A group's dictionary was written: its ``params`` replaced, or a hyperparameter."""
         for group, (params, _) in zip(self.groups, self.lists):
@@ -223,6 +237,54 @@ class StepCheck:
         """What a polled version says: a parameter's ``state`` written, or ``globals``."""
         states = self.polled.dicts[: len(self.states) + 1]
         return "state" if sum(map(_dict_version, states)) != self.state_total else "globals"
+
+
+class _Value:
+    """A hyperparameter as the check compares it: a plain value (a float, int, bool, str,
+    None, or a tuple of them: Adam's ``betas``) by type and value, a float's sign too (a
+    ``-0.0`` for a ``0.0``); anything else (a tensor lr) by identity. A NaN equals nothing."""
+
+    __slots__ = ("_key", "_value")
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+        self._key = _plain(value)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Value):
+            return NotImplemented
+        if self._key is _NAN or other._key is _NAN:
+            return False
+        if self._key is None or other._key is None:
+            return self._value is other._value
+        return bool(self._key == other._key)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+_NAN = object()
+"""The key of a value holding a NaN: equal to nothing."""
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a comparable key (its type with it; a float's sign), :data:`_NAN` for
+    one holding a NaN, or None when it is not a plain value."""
+    kind = type(value)
+    if kind is float:
+        return _NAN if value != value else (kind, value, math.copysign(1.0, value))
+    if kind in (int, bool, str, type(None)):
+        return (kind, value)
+    if kind is tuple:
+        keys = [_plain(v) for v in value]
+        if any(k is _NAN for k in keys):
+            return _NAN
+        return None if any(k is None for k in keys) else (kind, tuple(keys))
+    return None
+
+
+def _hyperparameters(group: dict[str, Any]) -> list[tuple[str, _Value]]:
+    """A param group's entries but ``params``, in order, as :class:`_Value` s."""
+    return [(k, _Value(v)) for k, v in group.items() if k != "params"]
 
 
 def _same_items(now: list[Any], then: list[Any]) -> bool:
@@ -277,8 +339,8 @@ class CompiledStep:
             # torch marks the fused update `torch.compiler.disable`: a graph break (plain
             # compile runs it eagerly too); it is one kernel already.
             self.eager = "fused=True: one fused kernel, which Dynamo does not trace"
-        self.group_versions: list[int] = []
-        """The groups' dictionary versions at the last step without a harvested entry."""
+        self.group_values: list[list[tuple[str, _Value]]] = []
+        """The groups' hyperparameters at the last step without a harvested entry."""
         self.direct_allowed = True
         """False: every step with full guards (the run's lookup window and audits; the
         bench's measure of what direct dispatch saves)."""
@@ -343,19 +405,25 @@ class CompiledStep:
                 check.direct.fn()
                 self.direct_steps += 1
                 return
+            if change == "hyperparameters" and check.same_values():
+                change = check.change(self.optimizer)  # written, not changed: the rest
+                if change is None:
+                    check.direct.fn()
+                    self.direct_steps += 1
+                    return
             self.changes[change] += 1
             if change != "hyperparameters":
                 self._full()
                 return
             self.check = None
-        # No harvested entry, or hyperparameters written (a scheduled lr): this step with
-        # full guards, and a harvest only after a step where no group was written.
-        versions = [_dict_version(g) for g in self.optimizer.param_groups]
-        written = versions != self.group_versions
-        if written and check is None and self.group_versions:
-            self.changes["hyperparameters"] += 1  # written again before a harvest
-        self.group_versions = versions
-        if self._guarded() and not written:
+        # No harvested entry, or hyperparameters changed (a scheduled lr): this step with
+        # full guards, and a harvest only after a step whose values had not changed.
+        values = [_hyperparameters(g) for g in self.optimizer.param_groups]
+        moved = values != self.group_values
+        if moved and check is None and self.group_values:
+            self.changes["hyperparameters"] += 1  # changed again before a harvest
+        self.group_values = values
+        if self._guarded() and not moved:
             self._harvest()
 
     def _full(self) -> None:

@@ -118,7 +118,7 @@ class CompiledTarget:
         self.mixed = False  # graph breaks, kept whole: broken entries with full guards (H4)
         self.graph_breaks_reported = False  # its graph breaks were warned about
         self.uncompiled = False  # calls run the module's own forward until a split (H51)
-        self.forget_dispatch()  # the dispatch table, the accepted keys
+        self.forget_dispatch()  # the dispatch table, the verdicts
         self.checking, self.checks = False, 0
         self.retry_eagerly = False
         self.changed = False
