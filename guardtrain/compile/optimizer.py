@@ -242,7 +242,8 @@ class StepCheck:
 class _Value:
     """A hyperparameter as the check compares it: a plain value (a float, int, bool, str,
     None, or a tuple of them: Adam's ``betas``) by type and value, a float's sign too (a
-    ``-0.0`` for a ``0.0``); anything else (a tensor lr) by identity. A NaN equals nothing."""
+    ``-0.0`` for a ``0.0``); a tensor (a tensor lr, an input of the graph) by identity. A
+    NaN, and any other value (a list that may have changed in place), equals nothing."""
 
     __slots__ = ("_key", "_value")
 
@@ -256,7 +257,7 @@ class _Value:
         if self._key is _NAN or other._key is _NAN:
             return False
         if self._key is None or other._key is None:
-            return self._value is other._value
+            return type(self._value) is _Tensor and self._value is other._value
         return bool(self._key == other._key)
 
     __hash__ = None  # type: ignore[assignment]
