@@ -28,7 +28,7 @@ then takes the lr as an input), and the entry is harvested again at the first st
 one whose values had not changed. Asking the harvested entry's guard manager first and
 then running it directly cost more than that full-guards step (docs/bench.md). A write
 that leaves every value as it was (a constant schedule) is no change: plain values are
-compared by type and value, others by identity. ``load_state_dict`` rewrites the
+compared by type and value; any other value (a tensor, a list) counts as changed. ``load_state_dict`` rewrites the
 optimizer's ``__dict__``; ``add_param_group`` lengthens the list; a frozen parameter's
 gradient is ``None``; the first step creates the state; a tensor assigned by hand into
 ``opt.state[p]`` writes that parameter's state; a module-level flag of ``torch.optim``
@@ -239,53 +239,27 @@ class StepCheck:
         return "state" if sum(map(_dict_version, states)) != self.state_total else "globals"
 
 
-class _Value:
+_PLAIN = (int, bool, str, type(None))
+
+
+def _key(value: Any) -> Any:
     """A hyperparameter as the check compares it: a plain value (a float, int, bool, str,
     None, or a tuple of them: Adam's ``betas``) by type and value, a float's sign too (a
-    ``-0.0`` for a ``0.0``); a tensor (a tensor lr, an input of the graph) by identity. A
-    NaN, and any other value (a list that may have changed in place), equals nothing."""
-
-    __slots__ = ("_key", "_value")
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-        self._key = _plain(value)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Value):
-            return NotImplemented
-        if self._key is _NAN or other._key is _NAN:
-            return False
-        if self._key is None or other._key is None:
-            return type(self._value) is _Tensor and self._value is other._value
-        return bool(self._key == other._key)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-_NAN = object()
-"""The key of a value holding a NaN: equal to nothing."""
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as a comparable key (its type with it; a float's sign), :data:`_NAN` for
-    one holding a NaN, or None when it is not a plain value."""
+    ``-0.0`` for a ``0.0``). Anything else (a NaN, a tensor, a list that may have changed
+    in place) gets a key of its own, equal to no other step's: a change."""
     kind = type(value)
-    if kind is float:
-        return _NAN if value != value else (kind, value, math.copysign(1.0, value))
-    if kind in (int, bool, str, type(None)):
+    if kind is float and value == value:
+        return (kind, value, math.copysign(1.0, value))
+    if kind in _PLAIN:
         return (kind, value)
     if kind is tuple:
-        keys = [_plain(v) for v in value]
-        if any(k is _NAN for k in keys):
-            return _NAN
-        return None if any(k is None for k in keys) else (kind, tuple(keys))
-    return None
+        return (kind, tuple(map(_key, value)))
+    return object()
 
 
-def _hyperparameters(group: dict[str, Any]) -> list[tuple[str, _Value]]:
-    """A param group's entries but ``params``, in order, as :class:`_Value` s."""
-    return [(k, _Value(v)) for k, v in group.items() if k != "params"]
+def _hyperparameters(group: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A param group's entries but ``params``, in order, by :func:`_key`."""
+    return [(k, _key(v)) for k, v in group.items() if k != "params"]
 
 
 def _same_items(now: list[Any], then: list[Any]) -> bool:
@@ -340,7 +314,7 @@ class CompiledStep:
             # torch marks the fused update `torch.compiler.disable`: a graph break (plain
             # compile runs it eagerly too); it is one kernel already.
             self.eager = "fused=True: one fused kernel, which Dynamo does not trace"
-        self.group_values: list[list[tuple[str, _Value]]] = []
+        self.group_values: list[list[tuple[str, Any]]] = []
         """The groups' hyperparameters at the last step without a harvested entry."""
         self.direct_allowed = True
         """False: every step with full guards (the run's lookup window and audits; the
@@ -402,16 +376,12 @@ class CompiledStep:
         check = self.check
         if check is not None:
             change = check.change(self.optimizer)
+            if change == "hyperparameters" and check.same_values():
+                change = check.change(self.optimizer)  # written, not changed: the rest
             if change is None:
                 check.direct.fn()
                 self.direct_steps += 1
                 return
-            if change == "hyperparameters" and check.same_values():
-                change = check.change(self.optimizer)  # written, not changed: the rest
-                if change is None:
-                    check.direct.fn()
-                    self.direct_steps += 1
-                    return
             self.changes[change] += 1
             if change != "hyperparameters":
                 self._full()
