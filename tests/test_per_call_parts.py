@@ -271,3 +271,26 @@ def test_at_most_variant_limit_patterns_are_kept() -> None:
         assert (target.code.pattern, False) in target.code.variants  # the one in use is kept
     finally:
         target.uninstall()
+
+
+def test_a_requires_grad_flip_marks_its_target_and_its_bits_follow() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    target = _target(net)
+    weight = net[0].weight
+    try:
+        target.changed = False
+        weight.requires_grad = True  # the value it holds: no flip
+        weight.requires_grad_(True)
+        assert not target.changed and bytes(target.flips.grad_bits) == b"\x01\x01\x01\x01"
+        weight.requires_grad = False
+        assert target.changed and target.flips.only
+        assert target.change_note == "requires_grad of a parameter was set to False"
+        assert bytes(target.flips.grad_bits) == b"\x00\x01\x01\x01"
+        target.changed = False
+        net[2].bias.requires_grad_(False)  # the method form too
+        assert target.changed and bytes(target.flips.grad_bits) == b"\x00\x01\x01\x00"
+        target.changed = False
+        nn.Linear(2, 2).weight.requires_grad = False  # a parameter of no target
+        assert not target.changed
+    finally:
+        target.uninstall()

@@ -16,11 +16,11 @@ modules, never one per module:
   items by identity first, then by value); any other list item by identity.
 
 Per call the dictionaries' versions are compared with those at the last reset: with
-three or more, by one Dynamo guard tree built for them
-(Dynamo's C++ ``RootGuardManager`` with a dictionary-version guard on each
-item of one tuple, one call into C); with fewer, by the sum of
-their versions (one pass in C; a write only ever raises a
-version). Then each list (one ``!=`` in C for a list of plain values). docs/bench.md
+three or more, or with a list of plain values, by one Dynamo guard tree built for them
+(Dynamo's C++ ``RootGuardManager`` with a dictionary-version guard on each dictionary
+and an equality guard on each list of plain values against its copy, one call into
+C); with fewer dictionaries and no such list, by the sum of their versions (one pass
+in C; a write only ever raises a version). Then each other list, by identity. docs/bench.md
 has the measurements.
 
 Blind spots (caught at the next audit or loop boundary): a change inside an item of a
@@ -61,7 +61,7 @@ class Polled:
     ) -> None:
         self.dicts: tuple[dict[Any, Any], ...] = ()
         self.lists: tuple[list[Any], ...] = ()
-        self.snapshots: tuple[tuple[list[Any], list[Any], bool], ...] = ()
+        self.snapshots: tuple[tuple[list[Any], list[Any]], ...] = ()
         self.total = 0
         self._unchanged: Callable[[Any], bool] | None = None
         self._scope: Any = None
@@ -79,11 +79,14 @@ class Polled:
             self.lists = tuple({id(x): x for x in lists}.values())
         self.total = sum(map(_dict_version, self.dicts))
         self._unchanged, self._scope = None, None
-        if len(self.dicts) >= _TREE_FROM and _GUARD_MANAGER is not None:
-            self._unchanged, self._scope = _version_tree(self.dicts)
-        self.snapshots = tuple(
-            (items, list(items), all(type(v) in _PLAIN for v in items)) for items in self.lists
-        )
+        copies = [(items, list(items)) for items in self.lists]
+        plain = [c for c in copies if all(type(v) in _PLAIN for v in c[0])]
+        if _GUARD_MANAGER is not None and (len(self.dicts) >= _TREE_FROM or plain):
+            self._unchanged, self._scope = _version_tree(self.dicts, plain)
+            copies = [c for c in copies if not any(c is p for p in plain)]
+        # Without a tree a list of plain values is compared by identity too: an equal
+        # value that is another object says moved, and a check follows.
+        self.snapshots = tuple(copies)
 
     def successor(self) -> Polled:
         """A new :class:`Polled` over the same objects, not yet taken: it says moved until
@@ -100,11 +103,8 @@ class Polled:
                 return True
         elif sum(map(_dict_version, self.dicts)) != self.total:
             return True
-        for items, snapshot, plain in self.snapshots:
-            if plain:
-                if items != snapshot:  # one pass in C: identity first, then value
-                    return True
-            elif len(items) != len(snapshot) or any(map(_is_not, items, snapshot)):
+        for items, snapshot in self.snapshots:
+            if len(items) != len(snapshot) or any(map(_is_not, items, snapshot)):
                 return True
         return False
 
@@ -112,17 +112,27 @@ class Polled:
         return len(self.dicts) + len(self.lists)
 
 
-def _version_tree(dicts: tuple[dict[Any, Any], ...]) -> tuple[Callable[[Any], bool], Any]:
+def _version_tree(
+    dicts: tuple[dict[Any, Any], ...], lists: list[tuple[list[Any], list[Any]]]
+) -> tuple[Callable[[Any], bool], Any]:
     """One Dynamo guard tree over ``dicts`` (a dictionary-version guard each, on the items
-    of one tuple) and the scope it reads: ``check(scope)`` is True while none was written."""
+    of one tuple) and ``lists`` (``(list, its copy)``: an equality guard each, one ``==``
+    in C, items by identity first, then by value) and the scope it reads:
+    ``check(scope)`` is True while no dictionary was written and every list equals its
+    copy."""
     root = _guards.RootGuardManager()
-    scope: dict[str, Any] = {"d": dicts}
-    items = root.dict_getitem_manager(
-        key="d", source="d", example_value=dicts, guard_manager_enum=_GUARD_MANAGER
-    )
-    for i, d in enumerate(dicts):
-        node = items.tuple_getitem_manager(
-            key=i, source=f"d[{i}]", example_value=d, guard_manager_enum=_GUARD_MANAGER
+    live = tuple(items for items, _ in lists)
+    scope: dict[str, Any] = {"d": dicts, "l": live}
+    for name, values in (("d", dicts), ("l", live)):
+        node = root.dict_getitem_manager(
+            key=name, source=name, example_value=values, guard_manager_enum=_GUARD_MANAGER
         )
-        node.add_dict_version_guard(d, [f"dict_version(d[{i}])"], None)
+        for i, value in enumerate(values):
+            item = node.tuple_getitem_manager(
+                key=i, source=f"{name}[{i}]", example_value=value, guard_manager_enum=_GUARD_MANAGER
+            )
+            if name == "d":
+                item.add_dict_version_guard(value, [f"dict_version(d[{i}])"], None)
+            else:
+                item.add_equals_match_guard(lists[i][1], [f"l[{i}] == copy"], None)
     return root.check, scope

@@ -292,14 +292,21 @@ def _flipping(param: torch.Tensor, value: Any) -> list[Watched] | None:
     return None
 
 
+_GRAD_NOTES = {v: f"requires_grad of a parameter was set to {v}" for v in (False, True)}
+
+
 def _flipped(param: torch.Tensor, targets: list[Watched], value: bool) -> None:
-    """``param``'s ``requires_grad`` is now ``value``: mark its targets (a flip), whose bits
-    follow. Called after the flag was set, so that the bits never say what it is not."""
+    """``param``'s ``requires_grad`` is now ``value``: its targets' bits follow, and each is
+    marked (a flip, as :func:`_mark` marks one). Called after the flag was set, so that the
+    bits never say what it is not; one pass, as toggling an optimizer sets every flag."""
     key = id(param)
     for target in targets:
         flips = target.flips
         flips.grad_bits[flips.param_slots[key]] = value
-    _mark(targets, f"requires_grad of a parameter was set to {value}", flip=True)
+        if not target.changed:
+            target.changed = True
+            target.change_note = _GRAD_NOTES[value]
+            flips.only = True
 
 
 def _parameter_requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
@@ -311,10 +318,13 @@ def _parameter_requires_grad_(self: torch.Tensor, requires_grad: bool = True) ->
 
 
 def _set_parameter_requires_grad(self: torch.Tensor, value: bool) -> None:
-    targets = _flipping(self, value)
+    # `_flipping` inlined: a loop that toggles an optimizer sets every parameter's flag.
+    targets = None if _is_compiling() else _params.get(id(self))
+    if targets is None or _get_requires_grad(self) is bool(value):
+        _set_requires_grad(self, value)
+        return
     _set_requires_grad(self, value)
-    if targets is not None:
-        _flipped(self, targets, bool(value))
+    _flipped(self, targets, bool(value))
 
 
 _parameter_requires_grad_.__doc__ = _tensor_requires_grad_.__doc__
