@@ -63,6 +63,8 @@ class CodeMember(Protocol):
     module: nn.Module
     bound: Callable[..., Any]
     compiled: Callable[..., Any]
+    dirty: bool
+    """Set when the code compiles or is rebuilt: the member's next call attends to it."""
 
     def code_rebuilt(self) -> None:
         """The code was rebuilt: forget what was learnt about its entries."""
@@ -260,6 +262,7 @@ class TargetCode:
         self.dropped_hooks_guard = False
         self.generation += 1
         for member in self.members:
+            member.dirty = True
             member.code_rebuilt()
         if not self.drops_guards:
             self.guard_filter = keep_all
@@ -370,6 +373,8 @@ class TargetCode:
         self.stance_modes -= self.broken_modes
         self.compiles += 1
         self.generation += 1
+        for member in self.members:
+            member.dirty = True  # does the new entry fit each member (shared code)?
 
     def note_entry(self) -> None:
         """After a call that compiled an entry of the trampoline (the newest, for

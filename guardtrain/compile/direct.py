@@ -131,14 +131,15 @@ class DirectEntry:
         self,
         key: tuple[Any, ...],
         tensors: list[torch.Tensor],
-        scope: Callable[[], dict[str, Any]],
+        scope: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> bool:
-        """Whether a call with this key and these tensors may run this entry (``scope``
-        gives the frame's locals, for the entry's own guards)."""
-        assert live_codes is not None
+        """Whether a call with this key and these tensors may run this entry (``scope(args,
+        kwargs)`` gives the frame's locals, for the entry's own guards)."""
         if not (
             key == self.key
-            and id(self.code) in live_codes
+            and id(self.code) in live_codes  # type: ignore[operator]  # none: no entry made
             and self.global_state.check()
             and self.tensors.check(*tensors)
         ):
@@ -146,7 +147,7 @@ class DirectEntry:
         rest = self.rest
         if rest is None:
             return True
-        frame = scope()
+        frame = scope(args, kwargs)
         if not _guard_check(rest, frame):
             return False
         for manager in self.earlier:  # Dynamo rebuilds the diff guards when entries change

@@ -52,6 +52,7 @@ from guardtrain.compile.target_state import TargetState
 from guardtrain.compile.trampoline import compiling_frame
 
 __all__ = [
+    "attend",
     "autocast_switched",
     "check_changed",
     "first_call_of_batch",
@@ -81,14 +82,10 @@ def wrapper_for(target: TargetState, func: Callable[..., Any]) -> Callable[..., 
 
     @functools.wraps(func)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if target.checked_generation != target.code.generation:
-            fit(target)  # the code compiled since: does it still fit this instance?
-        if top_saved_hooks(True) is not None:
+        if target.dirty:
+            attend(target, args, kwargs)  # a trigger marked it: what changed?
+        elif top_saved_hooks(True) is not None:
             saved_hooks_seen(target)  # saved-tensor hooks at this call (H31)
-        if target.first_call:
-            first_call_of_batch(target)  # requires_grad flips that no event saw (H42)
-        if target.changed:
-            check_changed(target, args, kwargs)  # an event: a module changed (H33, H34)
         if target.under_stance:
             if target.versions.moved():
                 check_changed(target, args, kwargs, written=True)
@@ -103,6 +100,27 @@ def wrapper_for(target: TargetState, func: Callable[..., Any]) -> Callable[..., 
     forward.__wrapped__ = target.bound  # type: ignore[attr-defined]
     forward._guardtrain_target = target  # type: ignore[attr-defined]
     return forward
+
+
+def attend(target: TargetState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Before a call of a target that a trigger marked (:attr:`TargetState.dirty`), in this
+    order: the code compiled since this member's last fit, saved-tensor hooks at this
+    call (H31, checked on every call), the batch's first call (H42), a change an event
+    saw (H33, H34). The flag is cleared first: a trigger during these marks it again; if
+    one of them raises, it stays marked, and the next call attends to what is left."""
+    target.dirty = False
+    try:
+        if target.checked_generation != target.code.generation:
+            fit(target)  # the code compiled since: does it still fit this instance?
+        if top_saved_hooks(True) is not None:
+            saved_hooks_seen(target)  # saved-tensor hooks at this call (H31)
+        if target.first_call:
+            first_call_of_batch(target)  # requires_grad flips that no event saw (H42)
+        if target.changed:
+            check_changed(target, args, kwargs)  # an event: a module changed (H33, H34)
+    except BaseException:
+        target.dirty = True
+        raise
 
 
 def plain_forward_for(target: TargetState, func: Callable[..., Any]) -> Callable[..., Any]:

@@ -90,5 +90,6 @@ def use_variant(target: Any, autocast: bool | None = None) -> bool:
     else:
         target.compiled = new.caller(target.module)
     target.checked_generation = -1  # shared code: does the new code fit this member?
+    target.dirty = True
     target.entries_changed()
     return True

@@ -40,7 +40,7 @@ def direct_entry(
     if not outside_state_clear(target.plain_stance):
         return None
     for direct in target.learnt.dispatch_table.get(mode, ()):
-        if direct.matches(key, tensors, lambda: target.call_scope(args, kwargs)):
+        if direct.matches(key, tensors, target.call_scope, args, kwargs):
             break
     else:
         if not may_harvest(target, mode) or _call_mode.dispatch_mode_active():

@@ -242,6 +242,7 @@ def swap(target: Any, key: StateKey, count: bool = True) -> bool:
         target.code = code
     target.compiled = found.compiled
     target.checked_generation = found.checked_generation
+    target.dirty = True  # the code may have compiled since this member was checked
     target.versions = found.versions
     target.learnt = found.learnt
     target.last_key = found.last_key

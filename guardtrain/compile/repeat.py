@@ -56,6 +56,20 @@ def repeat_key(key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, An
     plain_at = [i for i, kind in enumerate(kinds) if kind is not torch.Tensor]
     if not tensor_at:
         return same_as_call_key
+    return _key_function(key, kinds, tuple(kwargs) if kwargs else None, values, plain_at, tensor_at)
+
+
+def _key_function(
+    key: tuple[Any, ...],
+    kinds: tuple[type, ...],
+    names: tuple[str, ...] | None,
+    values: tuple[Any, ...],
+    plain_at: list[int],
+    tensor_at: list[int],
+) -> KeyFunction:
+    """:func:`repeat_key`'s function for a flat call of argument types ``kinds`` (with
+    keyword ``names``, or None for none), whose plain values sit at ``plain_at`` and
+    tensors at ``tensor_at``."""
     # One index gives the item itself, several a tuple: the expected value has the same form.
     plains = itemgetter(*plain_at) if plain_at else itemgetter(slice(0, 0))
     expected = plains(values)
@@ -64,11 +78,10 @@ def repeat_key(key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, An
     tensors_of = (
         itemgetter(slice(tensor_at[0], tensor_at[0] + 1)) if count == 1 else itemgetter(*tensor_at)
     )
-    names = tuple(kwargs)
 
     # The types' tuple fixes the number of arguments (with the keyword names, how many
     # are positional), and is compared before the values are taken by position.
-    if kwargs:
+    if names is not None:
 
         def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             values = (*args, *kwargs.values())
@@ -82,12 +95,19 @@ def repeat_key(key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, An
                     return key, found
             return call_key(args, kwargs)
 
+    elif count == 1:  # one tensor: nothing to tell apart
+
+        def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if not kwargs and tuple(map(type, args)) == kinds and plains(args) == expected:
+                return key, tensors_of(args)
+            return call_key(args, kwargs)
+
     else:
 
         def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if not kwargs and tuple(map(type, args)) == kinds and plains(args) == expected:
                 found = tensors_of(args)
-                if count == 1 or len(set(map(id, found))) == count:
+                if len(set(map(id, found))) == count:
                     return key, found
             return call_key(args, kwargs)
 

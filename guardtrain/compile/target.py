@@ -126,6 +126,7 @@ class CompiledTarget:
         self.tensor_attribute: str | None = None  # a plain tensor attribute replaced
         self.flips, self.kept = _states.Flips(), _states.Kept()  # flips, known states (H46)
         self.first_call = False
+        self.dirty = True  # the first call attends
         self.versions = Polled()
         self.checked_generation, self.calls = 0, 0
         self.guard_ns: list[int] = []  # full guard checks timed in check windows (reported)
@@ -163,6 +164,7 @@ class CompiledTarget:
     ) -> None:
         code = TargetCode(self._func, compile_kwargs, guard_filter, install_free_tensors, shared)
         self.code = code
+        self.dirty = True
         code.set_pattern(_grads.pattern(self.params))
         code.members.append(self)
         code.group_key = structure_key(self.module, self._func) if shared else None

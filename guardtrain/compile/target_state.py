@@ -101,6 +101,11 @@ class TargetState(Protocol):
     known state may be put back (:mod:`~guardtrain.compile.known_states`, H46)."""
     kept: Kept
     """The known states, and what makes them stale."""
+    dirty: bool
+    """Set by every trigger (an event, a batch's start, the code compiled or swapped): the
+    next call attends to :attr:`changed`, :attr:`first_call` and the code's generation
+    before it runs (:func:`~guardtrain.compile.forward.attend`); clear, a call checks
+    none of them."""
     first_call: bool
     """Set before each batch: the next call is the batch's first, which checks the
     parameters' ``requires_grad`` that no event sees (H42)."""

@@ -97,6 +97,7 @@ class Watched(Protocol):
 
     changed: bool
     change_note: str | None
+    dirty: bool
     flips: Any
     """What the flips keep (:class:`~guardtrain.compile.known_states.Flips`)."""
     tensor_attribute: str | None
@@ -137,7 +138,7 @@ tensor or a module."""
 def _mark(targets: Iterable[Watched], note: str, flip: bool = False) -> None:
     for target in targets:
         if not target.changed:
-            target.changed = True
+            target.changed = target.dirty = True
             target.change_note = note
             target.flips.only = flip
         elif not flip:
@@ -304,7 +305,7 @@ def _flipped(param: torch.Tensor, targets: list[Watched], value: bool) -> None:
         flips = target.flips
         flips.grad_bits[flips.param_slots[key]] = value
         if not target.changed:
-            target.changed = True
+            target.changed = target.dirty = True
             target.change_note = _GRAD_NOTES[value]
             flips.only = True
 

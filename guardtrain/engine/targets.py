@@ -92,7 +92,7 @@ class TargetSet:
         """Before a batch: each target's next call is the batch's first, which checks the
         parameters' ``requires_grad`` that no event sees (H42)."""
         for target in self.installed:
-            target.first_call = True
+            target.first_call = target.dirty = True
 
     def next_run(self, config: GuardConfig, levers: Levers) -> TargetSet:
         """A fresh set for the next run (with the run's ``config``, which an adapter may
