@@ -126,9 +126,7 @@ def measure(model: nn.Module, args: tuple[Any, ...]) -> dict[str, float]:
                 pass
 
             def changed() -> None:
-                if target.first_call:
-                    pass
-                if target.changed:
+                if target.dirty:  # one flag that every trigger sets
                     pass
 
             def polled() -> None:

@@ -85,8 +85,7 @@ def main() -> None:
             model(*xs)  # harvest, in this batch, for the training mode
             mode = next(iter(target.learnt.dispatch_table))
             direct = target.learnt.dispatch_table[mode][0]
-            assert (direct.manager is not None) == diff
-            scope = lambda: target.call_scope(xs, {})  # noqa: E731
+            scope = target.call_scope
             found = gc.call_key(xs, {})
             assert found is not None
             key, tensors = found
@@ -105,17 +104,9 @@ def main() -> None:
                 f"TensorGuards.check ({n} tensors)": per_call(
                     lambda: direct.tensors.check(*tensors)
                 ),
-                **(
-                    {
-                        "diff guards (2 entries of the mode; scope dict + check)": per_call(
-                            lambda: direct.manager.diff_guard_root.check(scope())
-                        )
-                    }
-                    if diff
-                    else {}
-                ),
-                "DirectEntry.matches (all of the above but the outside state)": per_call(
-                    lambda: direct.matches(key, tensors, scope)
+                "DirectEntry.matches (all of the above but the outside state"
+                + (", the guards beyond the arguments)" if diff else ")"): per_call(
+                    lambda: direct.matches(key, tensors, scope, xs, {})
                 ),
             }
     print(f"torch {torch.__version__}; ns per call, minus an empty call ({empty:.0f} ns)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import types
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -283,14 +283,77 @@ def test_a_requires_grad_flip_marks_its_target_and_its_bits_follow() -> None:
         weight.requires_grad_(True)
         assert not target.changed and bytes(target.flips.grad_bits) == b"\x01\x01\x01\x01"
         weight.requires_grad = False
-        assert target.changed and target.flips.only
+        assert target.changed and target.dirty and target.flips.only
         assert target.change_note == "requires_grad of a parameter was set to False"
         assert bytes(target.flips.grad_bits) == b"\x00\x01\x01\x01"
         target.changed = False
+        target.dirty = False
         net[2].bias.requires_grad_(False)  # the method form too
-        assert target.changed and bytes(target.flips.grad_bits) == b"\x00\x01\x01\x00"
+        assert (
+            target.changed and target.dirty and bytes(target.flips.grad_bits) == b"\x00\x01\x01\x00"
+        )
         target.changed = False
         nn.Linear(2, 2).weight.requires_grad = False  # a parameter of no target
         assert not target.changed
     finally:
         target.uninstall()
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def _double(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out * 2
+
+
+CHANGE_STEP = 6
+
+
+def _scale_to_three(model: nn.Module) -> Any:
+    model.scale = 3.0  # a plain attribute the guards read: an event
+
+
+def _hook(model: nn.Module) -> Any:
+    return model.lin.register_forward_hook(_double)  # an event
+
+
+@pytest.mark.parametrize("change", [_scale_to_three, _hook], ids=["attribute", "hook"])
+@pytest.mark.parametrize("preset", ["aggressive", "turbo"])
+def test_an_event_between_two_calls_of_one_batch_is_seen_by_the_second(
+    preset: str, change: Callable[[nn.Module], Any]
+) -> None:
+    """In a steady batch whose first call ran with nothing changed, a change lands between
+    the first and second calls: only the dirty flag carries it to the second call (the
+    batch's first call is past). A hook is removed again before the third."""
+    import copy
+
+    from helpers import guard_tuner, stance_on
+
+    torch.manual_seed(0)
+    net = _Scaled()
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 4)
+    with guard_tuner(net, preset, compile_kwargs={"backend": "aot_eager"}) as tuner:
+        for step in range(CHANGE_STEP + 1):
+            with tuner.step(x), torch.no_grad():
+                steady = stance_on()
+                outs = [(net(x), ref(x))]
+                handles = []
+                if step == CHANGE_STEP:
+                    handles = [change(net), change(ref)]
+                outs.append((net(x), ref(x)))
+                for handle in handles:
+                    if handle is not None:
+                        handle.remove()
+                outs.append((net(x), ref(x)))
+            for i, (out, expected) in enumerate(outs):
+                assert torch.equal(out, expected), (step, i)
+    assert steady, "the batch with the change ran steady"
+    assert not torch.equal(outs[1][1], outs[0][1])  # the change changes what eager computes

@@ -12,8 +12,8 @@ modules, never one per module:
   that defines the name, so a subclass that starts to shadow it is seen too);
 * lists that the guards read (``self.active``, whose items select the blocks that run;
   ``self.scales[0]``): lists have no version, so each is compared with a copy. A list
-  of plain values (bool, int, float, str, None) is compared with ``!=`` (one pass in C,
-  items by identity first, then by value); any other list item by identity.
+  of plain values (bool, int, float, str, None) is compared by equality (one ``==`` in
+  C, items by identity first, then by value); any other list item by identity.
 
 Per call the dictionaries' versions are compared with those at the last reset: with
 three or more, or with a list of plain values, by one Dynamo guard tree built for them
