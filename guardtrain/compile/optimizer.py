@@ -28,12 +28,12 @@ then takes the lr as an input), and the entry is harvested again at the first st
 one whose values had not changed. Asking the harvested entry's guard manager first and
 then running it directly cost more than that full-guards step (docs/bench.md). A write
 that leaves every value as it was (a constant schedule) is no change: plain values are
-compared by type and value; any other value (a tensor, a list) counts as changed. ``load_state_dict`` rewrites the
-optimizer's ``__dict__``; ``add_param_group`` lengthens the list; a frozen parameter's
-gradient is ``None``; the first step creates the state; a tensor assigned by hand into
-``opt.state[p]`` writes that parameter's state; a module-level flag of ``torch.optim``
-assigned writes its namespace: each is seen by the check. Its compiles are told to the run (``on_compile``), as the
-targets' are.
+compared by type and value; any other value (a tensor, a list) counts as changed.
+``load_state_dict`` rewrites the optimizer's ``__dict__``; ``add_param_group`` lengthens
+the list; a frozen parameter's gradient is ``None``; the first step creates the state; a
+tensor assigned by hand into ``opt.state[p]`` writes that parameter's state; a
+module-level flag of ``torch.optim`` assigned writes its namespace: each is seen by the
+check. Its compiles are told to the run (``on_compile``), as the targets' are.
 
 Blind spots: a parameter's or a state tensor's metadata changed in place (``p.data =``
 a tensor of another dtype or shape) after the backward that made its gradient and

@@ -79,14 +79,19 @@ class Polled:
             self.lists = tuple({id(x): x for x in lists}.values())
         self.total = sum(map(_dict_version, self.dicts))
         self._unchanged, self._scope = None, None
-        copies = [(items, list(items)) for items in self.lists]
-        plain = [c for c in copies if all(type(v) in _PLAIN for v in c[0])]
+        plain: list[tuple[list[Any], list[Any]]] = []
+        others: list[tuple[list[Any], list[Any]]] = []
+        for items in self.lists:
+            (plain if all(type(v) in _PLAIN for v in items) else others).append(
+                (items, list(items))
+            )
         if _GUARD_MANAGER is not None and (len(self.dicts) >= _TREE_FROM or plain):
             self._unchanged, self._scope = _version_tree(self.dicts, plain)
-            copies = [c for c in copies if not any(c is p for p in plain)]
-        # Without a tree a list of plain values is compared by identity too: an equal
-        # value that is another object says moved, and a check follows.
-        self.snapshots = tuple(copies)
+        else:
+            # Without a tree a list of plain values is compared by identity too: an equal
+            # value that is another object says moved, and a check follows.
+            others = plain + others
+        self.snapshots = tuple(others)
 
     def successor(self) -> Polled:
         """A new :class:`Polled` over the same objects, not yet taken: it says moved until
@@ -123,16 +128,21 @@ def _version_tree(
     root = _guards.RootGuardManager()
     live = tuple(items for items, _ in lists)
     scope: dict[str, Any] = {"d": dicts, "l": live}
-    for name, values in (("d", dicts), ("l", live)):
-        node = root.dict_getitem_manager(
-            key=name, source=name, example_value=values, guard_manager_enum=_GUARD_MANAGER
-        )
-        for i, value in enumerate(values):
-            item = node.tuple_getitem_manager(
-                key=i, source=f"{name}[{i}]", example_value=value, guard_manager_enum=_GUARD_MANAGER
-            )
-            if name == "d":
-                item.add_dict_version_guard(value, [f"dict_version(d[{i}])"], None)
-            else:
-                item.add_equals_match_guard(lists[i][1], [f"l[{i}] == copy"], None)
+    for i, node in enumerate(_items(root, "d", dicts)):
+        node.add_dict_version_guard(dicts[i], [f"dict_version(d[{i}])"], None)
+    for i, node in enumerate(_items(root, "l", live)):
+        node.add_equals_match_guard(lists[i][1], [f"l[{i}] == copy"], None)
     return root.check, scope
+
+
+def _items(root: Any, name: str, values: tuple[Any, ...]) -> list[Any]:
+    """The guard managers of the items of the tuple ``scope[name]`` (``values``)."""
+    node = root.dict_getitem_manager(
+        key=name, source=name, example_value=values, guard_manager_enum=_GUARD_MANAGER
+    )
+    return [
+        node.tuple_getitem_manager(
+            key=i, source=f"{name}[{i}]", example_value=v, guard_manager_enum=_GUARD_MANAGER
+        )
+        for i, v in enumerate(values)
+    ]

@@ -283,16 +283,6 @@ _tensor_requires_grad_ = torch.Tensor.requires_grad_
 _no_torch_function = DisableTorchFunction
 
 
-def _flipping(param: torch.Tensor, value: Any) -> list[Watched] | None:
-    """The targets holding ``param`` when its ``requires_grad`` is about to change."""
-    if _is_compiling():
-        return None
-    targets = _params.get(id(param))
-    if targets is not None and _get_requires_grad(param) is not bool(value):
-        return targets
-    return None
-
-
 _GRAD_NOTES = {v: f"requires_grad of a parameter was set to {v}" for v in (False, True)}
 
 
@@ -310,16 +300,18 @@ def _flipped(param: torch.Tensor, targets: list[Watched], value: bool) -> None:
             flips.only = True
 
 
+# Both forms: the targets holding the parameter, unless Dynamo traces the call or the
+# flag keeps its value; the flag is set first, so that the bits never say what it is not.
 def _parameter_requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
-    targets = _flipping(self, requires_grad)
+    targets = None if _is_compiling() else _params.get(id(self))
+    if targets is None or _get_requires_grad(self) is bool(requires_grad):
+        return _tensor_requires_grad_(self, requires_grad)
     out = _tensor_requires_grad_(self, requires_grad)
-    if targets is not None:
-        _flipped(self, targets, bool(requires_grad))
+    _flipped(self, targets, bool(requires_grad))
     return out
 
 
 def _set_parameter_requires_grad(self: torch.Tensor, value: bool) -> None:
-    # `_flipping` inlined: a loop that toggles an optimizer sets every parameter's flag.
     targets = None if _is_compiling() else _params.get(id(self))
     if targets is None or _get_requires_grad(self) is bool(value):
         _set_requires_grad(self, value)
