@@ -381,7 +381,7 @@ def test_turbo_row_is_run_by_the_engine(tiny_run: tuple[dict[str, Any], str]) ->
     assert "training=False" in miss or "training: True -> False" in miss, miss
     assert engine["phase_after_eval_check"] == "warmup"
     assert "mlp/turbo: run by the engine's phases (steady while measuring" in table
-    engine_rows = ("turbo", "auto")
+    engine_rows = bench.ENGINE_CONFIGS  # every preset
     assert all("driver" not in r for r in data["results"] if r["config"] not in engine_rows)
 
 

@@ -14,25 +14,16 @@ Configurations:
 * ``compile``: ``torch.compile`` with its defaults (``torch.compile(model)``;
   for ``regional``, ``block.compile()`` on every block: the blocks share one
   code object and one cache).
-* ``off``, ``safe``, ``balanced``, ``aggressive``: the presets, with the levers
-  the engine resolves for them on this torch (:func:`~guardtrain.bench.runner.preset_levers`:
-  a :class:`~guardtrain.engine.engine.GuardEngine` set up as for a run): one
-  :class:`~guardtrain.compile.CompiledTarget` per target with the preset's
-  filter and soundness floor and ``install_free_tensors``; Dynamo config values
-  set through a :class:`~guardtrain.engine.process.DynamoSettings` only while the
-  configuration runs; after warm-up (``use_stance``) the targets steady unless
-  :func:`guardtrain.engine.decisions.blocker` says no: each call sets
-  ``skip_guard_eval_unsafe`` around its own compiled call (H41), with the targets'
-  per-call ``training`` check and miss handler on.
-* ``turbo``: run by a whole :class:`~guardtrain.engine.engine.GuardEngine`
-  (:class:`~guardtrain.bench.runner.EngineRunner`), not only with its levers:
-  each turn of the configuration is one training batch of the engine
-  (``batch_start``/``batch_end``, the model's input as the batch), so the engine
-  warms up, enters the steady state and re-arms as in training, and what the
-  preset adds on entry (direct dispatch) is what is measured. Audits are off;
-  between turns the stance is off for the other configurations. The engine's
-  targets follow its own rules: for ``regional`` the 12 blocks share one code
-  object (H24), where the other presets' rows compile each block privately.
+* ``off``, ``safe``, ``balanced``, ``aggressive``, ``turbo``, ``auto``: the presets, each
+  run by a whole :class:`~guardtrain.engine.engine.GuardEngine`
+  (:class:`~guardtrain.bench.runner.EngineRunner`) as in training: each turn of the
+  configuration is one training batch of the engine (``batch_start``/``batch_end``, the
+  model's input as the batch), so the engine warms up, enters the steady state and
+  re-arms as in training, and what a preset adds on entry (the stance; direct dispatch
+  for ``turbo``) is what is measured. Audits are off; the engine's Dynamo config is set
+  only during its turns, the stance only inside its targets' own steady calls (H41). The
+  engine's targets follow its own rules: for ``regional`` the 12 blocks share one code
+  object (H24).
 * ``aot``: PyTorch's ``aot_compile().disable_guard_check()``, unsound: the anchor for
   ``turbo`` (:mod:`~guardtrain.bench.anchor`). The class's ``forward`` compiled ahead of
   time, ``torch.compile(forward, fullgraph=True).aot_compile(((module, *args), kwargs))``,

@@ -18,7 +18,6 @@ __all__ = [
     "CONFIGS",
     "ENGINE_CONFIGS",
     "MODELS",
-    "PRESET_CONFIGS",
     "QUICK_MODELS",
     "MLP",
     "BenchModel",
@@ -42,11 +41,9 @@ CONFIGS = (
     "floor",
 )
 """Every configuration, in table order."""
-PRESET_CONFIGS = ("off", "safe", "balanced", "aggressive", "turbo")
-"""The configurations that are presets, run through the engine's levers."""
-ENGINE_CONFIGS = ("turbo", "auto")
-"""Presets run by a whole engine with its phases (warm-up, entry, the steady state), not
-only with its levers: what ``turbo`` adds happens when the engine enters the steady state."""
+ENGINE_CONFIGS = ("off", "safe", "balanced", "aggressive", "turbo", "auto")
+"""The presets, each run by a whole engine with its phases (warm-up, entry, the steady
+state), as in training."""
 MODELS = ("mlp", "transformer", "regional")
 """Built-in models; ``package.module:factory`` names a user model."""
 QUICK_MODELS = ("transformer",)
