@@ -28,7 +28,7 @@ import torch
 
 from benchmarks import dpo, gan, litgpt_fabric, loops, rollouts, trl_dpo
 from benchmarks.core import PLAIN, Runner, Setting, Turn, Workload, frames, quiet
-from guardtrain.bench.timing import clock_of, describe
+from guardtrain.bench.timing import clock_of, describe, threads
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.profiling import compile_seconds
 
@@ -100,17 +100,11 @@ def _progress(options: SuiteOptions, message: str) -> None:
 
 def run_suite(options: SuiteOptions) -> dict[str, Any]:
     """Run the workloads; returns the results (see :func:`format_suite`)."""
-    threads = torch.get_num_threads()
-    if options.threads:
-        torch.set_num_threads(options.threads)
     t0 = time.perf_counter()
     results = []
-    try:
-        with quiet():
-            for name in options.workloads:
-                results.append(_run_workload(WORKLOADS[name], options, clock_of(options.threads)))
-    finally:
-        torch.set_num_threads(threads)
+    with threads(options.threads), quiet():
+        for name in options.workloads:
+            results.append(_run_workload(WORKLOADS[name], options, clock_of(options.threads)))
     return {
         "suite": "workloads",
         "date": datetime.date.today().isoformat(),

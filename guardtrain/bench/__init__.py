@@ -25,21 +25,12 @@ Configurations:
   engine's targets follow its own rules: for ``regional`` the 12 blocks share one code
   object (H24).
 * ``aot``: PyTorch's ``aot_compile().disable_guard_check()``, unsound: the anchor for
-  ``turbo`` (:mod:`~guardtrain.bench.anchor`). The class's ``forward`` compiled ahead of
-  time, ``torch.compile(forward, fullgraph=True).aot_compile(((module, *args), kwargs))``,
-  once under ``no_grad`` and once in grad mode (both in training mode), and called with
-  its guard check disabled: no guard, no Dynamo entry path (vLLM's dispatch). The bench
-  picks the function by the kind of call; for ``regional`` each block's call runs it
-  (``_compiled_call_impl``, blocks of one structure sharing it). A model with a graph
-  break (``fullgraph=True`` is required), a backend whose output cannot be serialized or
-  a torch without the API: ``-`` in every column, the reason under the table (JSON:
-  ``anchor.unavailable``); a training step it cannot compile: ``step_us`` ``-``
-  (``anchor.step_unavailable``). After ``eval()`` it still runs the training graph.
-* ``floor``: ``torch.compiler.skip_all_guards_unsafe`` + ``install_free_tensors``:
-  the unsound lower limit, for reference. It keeps Dynamo's one global-state
-  guard (grad mode, autocast), so that the training step and the ``no_grad``
-  call get graphs of their own: without it the first graph compiled serves
-  both (the ``no_grad`` calls would run the training graph).
+  ``turbo``, no guard and no Dynamo entry path (vLLM's dispatch), one function per kind
+  of call; where it cannot serve (a graph break, a backend it cannot serialize, a torch
+  without the API) ``-`` and the reason (:mod:`~guardtrain.bench.anchor`).
+* ``floor``: ``torch.compiler.skip_all_guards_unsafe`` + ``install_free_tensors``, the
+  unsound lower limit. It keeps Dynamo's global-state guard (grad mode, autocast), so the
+  training step and the ``no_grad`` call get graphs of their own.
 
 Metrics per configuration: ``guard_us`` and ``pregraph_us`` (profiler events
 ``TorchDynamo Cache Lookup`` and ``Pregraph bytecode`` in a short profiled
@@ -71,11 +62,8 @@ performance targets (:mod:`guardtrain.bench.goals`; among them ``turbo``'s ``no_
 call at or below ``aot``'s on ``transformer`` and ``regional``) and exits with status 1
 when one is missed.
 
-The speed suite of real workloads (DPO with peft, TRL, a Lightning GAN, rollouts, litgpt
-under Fabric, ...) is the project's own benchmark: it is not installed with the package
-and runs from a checkout of the repository, ``python -m benchmarks --workload NAME``
-(``benchmarks/``, the same options as this command and the suite's);
-``guardtrain bench --workload`` says so.
+The speed suite of real workloads runs from a checkout of the repository
+(:mod:`~guardtrain.bench.command`).
 
 Modules: :mod:`~guardtrain.bench.models` (configurations and models),
 :mod:`~guardtrain.bench.runner` (one configuration), :mod:`~guardtrain.bench.measure`

@@ -18,9 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-
-from guardtrain.bench import cost, goals, measure, report
+from guardtrain.bench import cost, goals, measure, report, timing
 from guardtrain.bench.models import CONFIGS, MODELS, QUICK_MODELS, check_model_specs, parse_configs
 from guardtrain.errors import GuardTrainValueError
 from guardtrain.presets import PRESETS
@@ -112,41 +110,30 @@ def build_parser(prog: str, description: str = DESCRIPTION) -> argparse.Argument
     return p
 
 
-def _callback_cost(args: argparse.Namespace) -> int:
+def _callback_cost(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     if args.preset not in PRESETS:
         raise GuardTrainValueError(
             f"--preset {args.preset!r}: unknown preset; allowed: {', '.join(PRESETS)}."
         )
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with timing.threads(args.threads):
         data = cost.callback_cost(preset=args.preset)
-    finally:
-        torch.set_num_threads(threads)
     print(cost.format_callback_cost(data))
-    status = 0
-    if args.check:
-        met, line = goals.check_callback_cost(data)
-        data.update(target_us=goals.CALLBACK_COST_TARGET_US, target_met=met)
-        print(f"\n{line}")
-        status = 0 if met else 1
-    if args.json:
-        report.write_json(args.json, data)
-    return status
+    if not args.check:
+        return data, 0
+    met, line = goals.check_callback_cost(data)
+    data.update(target_us=goals.CALLBACK_COST_TARGET_US, target_met=met)
+    print(f"\n{line}")
+    return data, 0 if met else 1
 
 
-def _optimizer_step(args: argparse.Namespace) -> int:
+def _optimizer_step(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     """``--optimizer-step``: the table; with ``--check``, guardtrain's step at or below plain
     compile's (exit 1 otherwise)."""
     from guardtrain.bench.optimizer import CHECK_SHARE, format_optimizer_step, optimizer_step
 
     if args.steps is not None and args.steps < 1:
         raise GuardTrainValueError(f"--steps must be at least 1, got {args.steps}.")
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with timing.threads(args.threads):
         data = optimizer_step(
             args.backend,
             args.steps or 200,
@@ -154,19 +141,12 @@ def _optimizer_step(args: argparse.Namespace) -> int:
             tiny=args.tiny,
             threads=args.threads or None,
         )
-    finally:
-        torch.set_num_threads(threads)
     print(format_optimizer_step(data))
-    status = 0
-    if args.check:
-        print()
-        for size in data["sizes"]:
-            met, line = _optimizer_verdict(size, CHECK_SHARE, not args.no_schedule)
-            print(line)
-            status = status or (0 if met else 1)
-    if args.json:
-        report.write_json(args.json, data)
-    return status
+    if not args.check:
+        return data, 0
+    checks = [_optimizer_verdict(s, CHECK_SHARE, not args.no_schedule) for s in data["sizes"]]
+    print("\n" + "\n".join(line for _, line in checks))
+    return data, 0 if all(met for met, _ in checks) else 1
 
 
 def _optimizer_verdict(size: dict[str, Any], limit: float, scheduled: bool) -> tuple[bool, str]:
@@ -174,9 +154,8 @@ def _optimizer_verdict(size: dict[str, Any], limit: float, scheduled: bool) -> t
     compile's, and its direct path's check at most ``limit`` of plain compile's lookup;
     with the schedule (every step moves the lr: full guards) only where a step ran
     directly after all."""
-    ratio = size["rows"]["guardtrain"]["ratio"]
-    share, direct = size["check_share"], size["check_us"] is not None
-    held = direct or not scheduled
+    ratio, share = size["rows"]["guardtrain"]["ratio"], size["check_share"]
+    held = size["check_us"] is not None or not scheduled
     met = ratio <= 1.0 and (not held or (share is not None and share <= limit))
     if not held:
         check = "not run (every step moves the lr: full guards)"
@@ -184,12 +163,11 @@ def _optimizer_verdict(size: dict[str, Any], limit: float, scheduled: bool) -> t
         check = "not measured"
     else:
         check = f"{share:.3f} of plain compile's lookup (limit {limit:.2f})"
-    line = (
+    return met, (
         f"optimizer step at {size['parameters']} parameters: guardtrain / plain compile "
         f"{ratio:.3f} (limit 1.00); the direct path's check {check}: "
         + ("met" if met else "NOT met")
     )
-    return met, line
 
 
 def _options(args: argparse.Namespace) -> measure.BenchOptions:
@@ -213,7 +191,7 @@ def _options(args: argparse.Namespace) -> measure.BenchOptions:
     )
 
 
-def _bench(args: argparse.Namespace, command: str) -> int:
+def _bench(args: argparse.Namespace, command: str) -> tuple[dict[str, Any], int]:
     options = _options(args)
     t0 = time.perf_counter()
     data: dict[str, Any] = measure.run_bench(options)
@@ -221,16 +199,11 @@ def _bench(args: argparse.Namespace, command: str) -> int:
     data["command"] = command
     print(report.format_table(data))
     print(f"\nwall time {data['wall_s']} s")
-    status = 0
-    if args.check:
-        data["targets"] = goals.check_targets(data["results"])
-        print("\n" + goals.format_checks(data["targets"]))
-        status = 0 if data["targets"] and all(t["met"] for t in data["targets"]) else 1
-    if args.json:
-        report.write_json(args.json, data)
-    if args.plot:
-        report.plot(data, args.plot)
-    return status
+    if not args.check:
+        return data, 0
+    data["targets"] = goals.check_targets(data["results"])
+    print("\n" + goals.format_checks(data["targets"]))
+    return data, 0 if data["targets"] and all(t["met"] for t in data["targets"]) else 1
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -242,17 +215,23 @@ def run(args: argparse.Namespace, command: str) -> int:
     if args.plot:
         report.require_matplotlib()
     if args.callback_cost:
-        return _callback_cost(args)
-    if args.optimizer_step:
-        return _optimizer_step(args)
-    return _bench(args, command)
+        data, status = _callback_cost(args)
+    elif args.optimizer_step:
+        data, status = _optimizer_step(args)
+    else:
+        data, status = _bench(args, command)
+    if args.json:
+        report.write_json(args.json, data)
+    if args.plot and "results" in data:  # the models bench's
+        report.plot(data, args.plot)
+    return status
 
 
 def _add_suite_options(parser: argparse.ArgumentParser) -> None:
     """The speed suite's options, hidden: parsed only to be refused (:func:`_refuse_suite`)."""
-    parser.add_argument("--workload", action="append", help=argparse.SUPPRESS)
-    parser.add_argument("--compile-optimizer", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--no-fallback", action="store_true", help=argparse.SUPPRESS)
+    for attr, flag in SUITE_OPTIONS:
+        action = "append" if attr == "workload" else "store_true"
+        parser.add_argument(flag, action=action, help=argparse.SUPPRESS)
 
 
 def _refuse_suite(args: argparse.Namespace, argv: Sequence[str]) -> None:

@@ -119,10 +119,9 @@ def _lightning_classes() -> tuple[type, type]:
                 return
             pieces = _pieces(guard, trainer, pl_module, outputs, batch, batch_idx)
             m = self.measured
-            m["steady_before"] = guard.phase
             m["us"] = {k: _per_step(f, self.iterations, self.repeats) for k, f in pieces.items()}
             m["audit_every"] = guard.config.audit_every
-            m["steady_after"] = guard.phase
+            m["steady"] = guard.phase == "steady"  # steady before (above) and after
             if self.profile:
                 m["cprofile"] = _cprofile(pieces[HOOKS], self.iterations)
             trainer.should_stop = True
@@ -130,7 +129,7 @@ def _lightning_classes() -> tuple[type, type]:
     return Net, Probe
 
 
-def _tuner_step_cost(preset: PresetName, iterations: int, repeats: int) -> dict[str, float]:
+def _tuner_step_cost(preset: PresetName, iterations: int, repeats: int) -> tuple[float, bool]:
     """µs per ``with tuner.step(batch): pass`` in the steady state, on the same batch.
 
     A tiny model trained for 16 real steps under :class:`~guardtrain.GuardTuner`
@@ -164,9 +163,7 @@ def _tuner_step_cost(preset: PresetName, iterations: int, repeats: int) -> dict[
             with step(batch):
                 pass
 
-        us = _per_step(one_step, iterations, repeats)
-        steady = tuner.phase == "steady"
-    return {"us": us, "steady": float(steady)}
+        return _per_step(one_step, iterations, repeats), tuner.phase == "steady"
 
 
 def _fit(guard: Any, probe: Any, net: Any) -> None:
@@ -222,21 +219,19 @@ def callback_cost(
     probe = probe_cls(guard, iterations, repeats, profile)
     _fit(guard, probe, net_cls())
     measured = probe.measured
-    tuner = _tuner_step_cost(preset, iterations, repeats) if measured else None
     if not measured:
         raise RuntimeError(
             f"the callback never reached the steady state (phase {guard.phase!r}); "
             f"summary: {guard.summary()}"
         )
+    tuner_us, tuner_steady = _tuner_step_cost(preset, iterations, repeats)
     return {
         "torch": torch.__version__,
         "preset": preset,
         "iterations": iterations,
         "repeats": repeats,
-        "us_per_step": {**measured["us"], TUNER_STEP: tuner["us"] if tuner else float("nan")},
-        "steady": measured["steady_before"] == "steady"
-        and measured["steady_after"] == "steady"
-        and bool(tuner and tuner["steady"]),
+        "us_per_step": {**measured["us"], TUNER_STEP: tuner_us},
+        "steady": measured["steady"] and tuner_steady,
         "cprofile": measured.get("cprofile", ""),
         "audit_every": measured.get("audit_every"),
     }

@@ -113,14 +113,10 @@ def check_callback_cost(data: dict[str, Any]) -> tuple[bool, str]:
     measured = [("hooks", next(iter(us.values())))]
     if us.get(TUNER_STEP) is not None:
         measured.append(("GuardTuner.step", us[TUNER_STEP]))
-    parts = []
-    met = True
-    for name, value in measured:
-        ok = value <= CALLBACK_COST_TARGET_US
-        met = met and ok
-        parts.append(f"{name} {value:.2f} µs, {'met' if ok else 'NOT met'}")
-    if len(parts) == 1:
-        total = measured[0][1]
-        verdict = "met" if met else "NOT met"
-        return met, f"target <= {CALLBACK_COST_TARGET_US} µs per step: {total:.2f} µs, {verdict}"
+    verdicts = [(n, v, v <= CALLBACK_COST_TARGET_US) for n, v in measured]
+    met = all(ok for _, _, ok in verdicts)
+    parts = [
+        (f"{n} " if len(verdicts) > 1 else "") + f"{v:.2f} µs, {'met' if ok else 'NOT met'}"
+        for n, v, ok in verdicts
+    ]
     return met, f"target <= {CALLBACK_COST_TARGET_US} µs per step: " + "; ".join(parts)

@@ -22,7 +22,7 @@ from guardtrain.bench.models import (
     parse_configs,
 )
 from guardtrain.bench.runner import EngineRunner, Runner
-from guardtrain.bench.timing import clock_of
+from guardtrain.bench.timing import clock_of, threads
 from guardtrain.compile import resolve_targets
 from guardtrain.engine.process import stance_is_unsafe
 from guardtrain.errors import GuardTrainValueError
@@ -72,19 +72,15 @@ class Progress:
     """tqdm when it is installed, else a plain line on stderr every few seconds."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total = total
-        self.done = 0
-        self.enabled = enabled
+        self.total, self.done, self.enabled = total, 0, enabled
         self._bar: Any = None
-        self._last = 0.0
-        self._t0 = time.perf_counter()
-        if not enabled:
-            return
+        self._last, self._t0 = 0.0, time.perf_counter()
         try:
             from tqdm import tqdm
         except ImportError:
             return
-        self._bar = tqdm(total=total, unit="task", file=sys.stderr, dynamic_ncols=True)
+        if enabled:
+            self._bar = tqdm(total=total, unit="task", file=sys.stderr, dynamic_ncols=True)
 
     def update(self, desc: str, n: int = 1) -> None:
         self.done += n
@@ -120,10 +116,9 @@ def _machine() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
     except OSError:
         pass
     info: dict[str, Any] = {
@@ -133,9 +128,13 @@ def _machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
-    if hasattr(os, "getloadavg"):
-        info["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
+    _load(info, "loadavg_start")
     return info
+
+
+def _load(info: dict[str, Any], key: str) -> None:
+    if hasattr(os, "getloadavg"):
+        info[key] = [round(x, 2) for x in os.getloadavg()]
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -203,36 +202,24 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     models = [build_model(m, tiny=options.tiny) for m in options.models]
     if stance_is_unsafe():
         raise GuardTrainValueError("the unsafe stance is set already; the bench needs full guards")
-    threads = torch.get_num_threads()
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    machine = _machine()
     per_model = len(configs) * (2 + options.repeats)
     shared = _Shared(options, configs, Progress(per_model * len(models), options.progress))
     shared.clock = clock_of(options.threads)
     results: list[dict[str, Any]] = []
-    try:
-        for model in models:
-            results.extend(_run_model(model, shared))
-    finally:
-        shared.progress.close()
-        torch.set_num_threads(threads)
-    if hasattr(os, "getloadavg"):
-        machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    with threads(options.threads):
+        machine = _machine()
+        try:
+            for model in models:
+                results.extend(_run_model(model, shared))
+        finally:
+            shared.progress.close()
+    _load(machine, "loadavg_end")
+    keys = ("models", "configs", "repeats", "backend", "threads", "quick", "train_step", "tiny")
     out: dict[str, Any] = {
         "torch": torch.__version__,
         "clock": shared.clock,
         "machine": machine,
-        "options": {
-            "models": options.models,
-            "configs": configs,
-            "repeats": options.repeats,
-            "backend": options.backend,
-            "threads": options.threads,
-            "quick": options.quick,
-            "train_step": options.train_step,
-            "tiny": options.tiny,
-        },
+        "options": {k: configs if k == "configs" else getattr(options, k) for k in keys},
         "results": results,
     }
     if shared.window_costs:
@@ -288,17 +275,16 @@ def _calibrating(runners: dict[str, Runner]) -> Runner | None:
 
 def _calibrate(first: Runner | None, options: BenchOptions) -> _Windows:
     """Calls and steps per window: as given, else enough for ``options.window_s``."""
-    calls, steps = options.calls, options.steps
-    if calls is None:
-        times = first.timed(first.forward_no_grad, 5)[1] if first is not None else []
-        per_call = statistics.median(times) / 1e6 if times else options.window_s
-        calls = max(20, min(400, round(options.window_s / max(per_call, 1e-6))))
-    if steps is None and options.train_step:
-        times = first.timed(first.train_step, 3)[1] if first is not None else []
-        per_step = statistics.median(times) / 1e6 if times else options.window_s
-        steps = max(6, min(200, round(options.window_s / max(per_step, 1e-6))))
-    if not options.train_step or steps is None:
-        steps = 0
+
+    def fit(work: str, n: int, low: int, high: int) -> int:
+        times = first.timed(getattr(first, work), n)[1] if first is not None else []
+        took = statistics.median(times) / 1e6 if times else options.window_s
+        return max(low, min(high, round(options.window_s / max(took, 1e-6))))
+
+    calls = options.calls if options.calls is not None else fit("forward_no_grad", 5, 20, 400)
+    steps = 0
+    if options.train_step:
+        steps = options.steps if options.steps is not None else fit("train_step", 3, 6, 200)
     return _Windows(calls, steps, max(3, min(calls, 50)))
 
 
@@ -414,6 +400,9 @@ def _result(
         result["stance_blocked"] = runner.blocked
     if runner.switched_off:
         result["switched_off"] = runner.switched_off
+    floor = samples.get("floor")
+    ratios, ratio_spread = _ratios(rows, samples.get("compile"), floor, samples.get(ANCHOR))
+    per_frame = _per_frame(rows, floor, frames)
     result.update(
         misses=runner.misses[:5],
         eval_check_misses=runner.check_misses[:1],
@@ -421,17 +410,11 @@ def _result(
         steps_per_window=windows.steps,
         lookup_calls_per_window=windows.lookup_calls,
         warmup_s=round(warmup_s, 2),
-    )
-    ratios, ratio_spread = _ratios(
-        rows, samples.get("compile"), samples.get("floor"), samples.get(ANCHOR)
-    )
-    per_frame = _per_frame(rows, samples.get("floor"), frames)
-    result.update(
         ratios=ratios,
         ratio_spread=ratio_spread,
         frames_per_call=frames,
         per_frame_us=None if per_frame is None else per_frame["median"],
         per_frame_spread=per_frame,
+        **runner.extra(),
     )
-    result.update(runner.extra())
     return result

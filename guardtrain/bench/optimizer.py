@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from guardtrain.bench.models import Transformer
-from guardtrain.bench.timing import clock_of, describe, reader
+from guardtrain.bench.timing import CLOCKS, clock_of, describe
 from guardtrain.compile.optimizer import installed
 from guardtrain.profiling import LookupWindow
 
@@ -136,7 +136,7 @@ def _size(
     """The four configurations at one size, interleaved; then the check against the lookup."""
     x = torch.randn(4, 8, 16)
     runs = {name: _make(name, kwargs, depth, schedule) for name in CONFIGS}
-    read = reader(clock)
+    read = CLOCKS[clock]
     try:
         times = _interleaved(runs, x, read, steps, warmup)
         checks = [_check_us(runs["guardtrain"], x, read) for _ in range(5)]

@@ -16,10 +16,13 @@ work, and the wall clock decides. Every result says which (``clock``).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable
+from collections.abc import Callable, Iterator
 
-__all__ = ["CLOCKS", "clock_of", "describe", "reader"]
+import torch
+
+__all__ = ["CLOCKS", "clock_of", "describe", "threads"]
 
 CLOCKS: dict[str, Callable[[], int]] = {
     "cpu": time.thread_time_ns,
@@ -38,6 +41,13 @@ def describe(clock: str) -> str:
     return "the calling thread's CPU time" if clock == "cpu" else "the wall clock"
 
 
-def reader(clock: str) -> Callable[[], int]:
-    """``clock``'s reader (ns)."""
-    return CLOCKS[clock]
+@contextlib.contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads at ``n`` while the block runs (None or 0: torch's own)."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
