@@ -39,7 +39,6 @@ from guardtrain.bench.runner import Runner
 from guardtrain.compile import resolve_targets
 from guardtrain.compile.code import structure_key
 from guardtrain.errors import GuardTrainValueError
-from guardtrain.profiling import LookupStats, LookupWindow
 
 __all__ = ["ANCHOR", "AotRunner", "anchor_missing"]
 
@@ -175,25 +174,6 @@ class AotRunner(Runner):
         if self.kind is not True:
             self._install(True)
         super().train_step()
-
-    def timed(self, fn: Callable[[], Any], n: int) -> tuple[list[float], list[float]]:
-        """Nothing to time where the anchor cannot serve the call."""
-        if self.unavailable or (fn == self.train_step and self.step_unavailable):
-            return [], []
-        return super().timed(fn, n)
-
-    def warm_up(self, max_rounds: int = 6) -> None:
-        if self.unavailable is None:
-            with_step = self.with_step
-            self.with_step = with_step and self.step_unavailable is None
-            try:
-                super().warm_up(max_rounds)
-            finally:
-                self.with_step = with_step
-        self.measuring = True
-
-    def lookup(self, n: int, window: LookupWindow) -> LookupStats | None:
-        return None if self.unavailable else super().lookup(n, window)
 
     def extra(self) -> dict[str, Any]:
         """The anchor's own facts: the functions compiled, and why it could not serve."""

@@ -105,10 +105,8 @@ def _lightning_classes() -> tuple[type, type]:
         """Times the guard callback's hooks once, inside a steady training batch."""
 
         def __init__(self, guard: Any, iterations: int, repeats: int, profile: bool) -> None:
-            self.guard = guard
-            self.iterations = iterations
-            self.repeats = repeats
-            self.profile = profile
+            self.guard, self.iterations = guard, iterations
+            self.repeats, self.profile = repeats, profile
             self.measured: dict[str, Any] = {}
 
         def on_train_batch_end(

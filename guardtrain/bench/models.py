@@ -191,18 +191,13 @@ def parse_configs(values: Sequence[str] | None) -> list[str]:
     """Configuration names from ``--configs`` values (comma-separated or repeated), in table order."""
     if not values:
         return list(CONFIGS)
-    names: list[str] = []
-    for value in values:
-        for name in value.split(","):
-            name = name.strip()
-            if not name:
-                continue
-            if name not in CONFIGS:
-                raise GuardTrainValueError(
-                    f"--configs: unknown configuration {name!r}; allowed: {', '.join(CONFIGS)}."
-                )
-            if name not in names:
-                names.append(name)
+    names = [n.strip() for value in values for n in value.split(",") if n.strip()]
+    allowed = ", ".join(CONFIGS)
+    for name in names:
+        if name not in CONFIGS:
+            raise GuardTrainValueError(
+                f"--configs: unknown configuration {name!r}; allowed: {allowed}."
+            )
     if not names:
-        raise GuardTrainValueError(f"--configs is empty; allowed: {', '.join(CONFIGS)}.")
+        raise GuardTrainValueError(f"--configs is empty; allowed: {allowed}.")
     return [c for c in CONFIGS if c in names]

@@ -16,14 +16,11 @@ optimizer from the same seed:
 
 Each step: fresh gradients from one forward and backward (not timed), then the timed
 ``opt.step()``, ``zero_grad`` and, with ``schedule``, a ``LambdaLR`` step that moves the
-float lr every step. Timed by the calling thread's CPU time and the wall clock
-(:mod:`~guardtrain.bench.timing`; at one thread the CPU time decides). Reported per
-size: the median µs per step with quartiles and each ratio to plain compile; then what
-``--check`` holds: the direct path's own check (``StepCheck.change``, timed on its own in
-the steady state with nothing moved, median of repeats; with ``schedule`` every step moves
-the lr and runs with full guards, so there is none) against plain compile's cache lookup per step
-(Dynamo's "TorchDynamo Cache Lookup" events of the recipe's frames, profiled), at most
-:data:`CHECK_SHARE`; and the compiled steps' ``summary()["optimizers"]``.
+float lr every step, timed by the clock that decides (:mod:`~guardtrain.bench.timing`).
+Reported per size: the median µs per step with quartiles and each ratio to plain compile;
+the direct path's own check (:func:`_check_us`) against plain compile's cache lookup per
+step (:func:`_lookup_us`), which ``--check`` holds to :data:`CHECK_SHARE`; and the compiled
+steps' ``summary()["optimizers"]``.
 """
 
 from __future__ import annotations
@@ -101,21 +98,18 @@ def _check_us(run: dict[str, Any], x: torch.Tensor, clock: Callable[[], int]) ->
     ``no_grad``): median µs of 50; None where no entry is harvested (a schedule moves the
     lr every step: those steps run with full guards)."""
     compiled = installed(run["opt"])
-    run["model"](x).square().mean().backward()
     check = None if compiled is None else compiled.check
-    if compiled is None or check is None:
-        run["opt"].zero_grad(set_to_none=True)
-        return None
-    times = []
+    run["model"](x).square().mean().backward()
+    times: list[float] = []
     with torch.no_grad():
-        for _ in range(50):
+        while check is not None and len(times) < 50:
             started = clock()
             change = check.change(run["opt"])
             times.append((clock() - started) / 1e3)
             if change is not None:
                 raise RuntimeError(f"the direct path's check found a change: {change}")
     run["opt"].zero_grad(set_to_none=True)
-    return statistics.median(times)
+    return statistics.median(times) if times else None
 
 
 def _lookup_us(run: dict[str, Any], x: torch.Tensor, steps: int = 5) -> float | None:
@@ -146,14 +140,13 @@ def _size(
     found = [c for c in checks if c is not None]
     check = statistics.median(found) if found else None
     lookup = statistics.median([v for v in lookups if v is not None] or [float("nan")])
+    share = check / lookup if check is not None and lookup == lookup and lookup else None
     return {
         "parameters": sum(1 for _ in runs[CONFIGS[0]]["model"].parameters()),
         "rows": _rows(times),
         "check_us": check,
         "plain_lookup_us": lookup,
-        "check_share": check / lookup
-        if check is not None and lookup == lookup and lookup
-        else None,
+        "check_share": share,
         "optimizers": summaries,
     }
 

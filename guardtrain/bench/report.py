@@ -31,19 +31,15 @@ HEADER = (
 )
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
+def _us(result: dict[str, Any], metric: str) -> str:
+    """A median in µs and its spread: ``12.3 ±4%`` (``-``: not measured)."""
+    value, s = result[metric], result.get("spread", {}).get(metric)
     if value is None:
         return "-"
-    if value >= 1000:
-        return f"{value:,.0f}"
-    return f"{value:.{digits}f}"
-
-
-def _spread(result: dict[str, Any], metric: str) -> str:
-    s = result.get("spread", {}).get(metric)
+    text = f"{value:,.0f}" if value >= 1000 else f"{value:.1f}"
     if not s or not s["median"]:
-        return ""
-    return f" ±{(s['max'] - s['min']) / 2 / s['median'] * 100:.0f}%"
+        return text
+    return text + f" ±{(s['max'] - s['min']) / 2 / s['median'] * 100:.0f}%"
 
 
 def _ratio(value: float | None) -> str:
@@ -84,15 +80,15 @@ def _row(r: dict[str, Any]) -> list[str]:
     return [
         r["model"],
         r["config"],
-        _fmt(r["guard_us"]) + _spread(r, "guard_us"),
-        _fmt(r["pregraph_us"]) + _spread(r, "pregraph_us"),
+        _us(r, "guard_us"),
+        _us(r, "pregraph_us"),
         _ratio(ratios.get("lookup_vs_compile")),
-        _fmt(r["call_us"]) + _spread(r, "call_us"),
+        _us(r, "call_us"),
         _ratio(ratios.get("call_vs_compile")),
         _ratio_range(r, "call_vs_floor"),
         _ratio_range(r, "call_vs_aot"),
         _per_frame(r),
-        _fmt(r["step_us"]) + _spread(r, "step_us"),
+        _us(r, "step_us"),
         _ratio(ratios.get("step_vs_compile")),
         _ratio_range(r, "step_vs_floor"),
         _ratio_range(r, "step_vs_aot"),

@@ -145,14 +145,14 @@ class Runner:
     def _round(self) -> None:
         """One turn of warm-up: two training steps (unless left out), two ``no_grad`` calls."""
         with self.active():
-            for _ in range(2 if self.with_step else 0):
+            for _ in range(2 if self.with_step and not self.step_unavailable else 0):
                 self.train_step()
             for _ in range(2):
                 self.forward_no_grad()
 
     def warm_up(self, max_rounds: int = 6) -> None:
         """Warm-up rounds until one compiles nothing."""
-        for i in range(max_rounds):
+        for i in range(0 if self.unavailable else max_rounds):
             before = self.compiles
             self._round()
             if i >= 1 and self.compiles == before:
@@ -161,7 +161,10 @@ class Runner:
 
     def timed(self, fn: Callable[[], Any], n: int) -> tuple[list[float], list[float]]:
         """µs of each of ``n`` calls of ``fn``, each timed on its own (gc off): by the
-        calling thread's CPU time, and by the wall clock (:mod:`~guardtrain.bench.timing`)."""
+        calling thread's CPU time, and by the wall clock (:mod:`~guardtrain.bench.timing`);
+        nothing where this configuration cannot serve ``fn``."""
+        if self.unavailable or (fn == self.train_step and self.step_unavailable):
+            return [], []
         cpu, wall = [0.0] * n, [0.0] * n
         thread, perf = time.thread_time_ns, time.perf_counter_ns
         with self.active():
@@ -177,8 +180,9 @@ class Runner:
         return cpu, wall
 
     def lookup(self, n: int, window: LookupWindow) -> LookupStats | None:
-        """A profiled window of ``n`` no_grad calls (None for eager, or if a profiler runs)."""
-        if self.config == "eager":
+        """A profiled window of ``n`` no_grad calls (None for eager, where this configuration
+        cannot serve, or if a profiler runs)."""
+        if self.config == "eager" or self.unavailable:
             return None
         with self.active():
             if not window.start():
@@ -231,16 +235,13 @@ class EngineRunner(Runner):
     training: what the engine does on entering the steady state (the stance, direct
     dispatch for ``turbo``) is what is measured.
 
-    The engine compiles the model's targets in place (with ``targets=None`` rules
-    off: the bench's targets are named, so repeated blocks share code as in a real
-    run, H24). Each turn of this configuration (:meth:`active`) is one training
-    batch of the engine (``batch_start`` / ``batch_end``) with the model's input as
-    the batch; the engine decides warm-up, entry and re-arms (``warmup_steps=2``,
-    ``stable_steps=1``). Audits are off (``audit_every=None``): an audit batch runs
-    with full guards, which a window of steady calls must not mix in. The engine's Dynamo
-    config is set only during its turns (``pause``/``resume``), and the stance only inside
-    the targets' own steady calls (H41), so the other configurations between its turns
-    run with torch's config and full guards, the engine's own state untouched.
+    Each turn of this configuration (:meth:`active`) is one training batch of the engine
+    with the model's input as the batch; the engine compiles the named targets in place
+    (repeated blocks share code as in a run, H24) and decides warm-up, entry and re-arms
+    (``warmup_steps=2``, ``stable_steps=1``). Audits are off: an audit batch runs with full
+    guards, which a window of steady calls must not mix in. The engine's Dynamo config is
+    set only during its turns (``pause``/``resume``), the stance only inside its targets'
+    steady calls (H41), so the other configurations run with torch's config and full guards.
     """
 
     WARMUP_STEPS = 2
@@ -269,7 +270,6 @@ class EngineRunner(Runner):
         self.measured_phase: str | None = None
         self.engine.activate(self.module, host, root_by_default=True)
         self.engine.pause()  # its Dynamo config is set only while this configuration runs
-        self.targets = list(self.engine.targets.installed)
         self.switched_off = list(self.engine.summary()["switched_off"])
 
     @contextmanager
@@ -288,7 +288,6 @@ class EngineRunner(Runner):
             rearms = engine.rearms
             self.misses.extend(str(r["reason"]) for r in rearms[self._rearms_seen :])
             self._rearms_seen = len(rearms)
-            self.targets = list(engine.targets.installed)
 
     def warm_up(self, max_rounds: int = 12) -> None:
         """Batches of training steps and ``no_grad`` calls until a preset with the stance
@@ -334,4 +333,3 @@ class EngineRunner(Runner):
     def close(self) -> None:
         """End the engine's run: everything it changed is put back."""
         self.engine.finish()
-        self.targets = []
