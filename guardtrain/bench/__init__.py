@@ -1,12 +1,12 @@
 """``guardtrain bench``: guard overhead of each preset, side by side, in one process.
 
-Run ``python -m guardtrain.bench --help`` (or the ``guardtrain bench`` console
-script). Every configuration of every model is built once, warmed up, and then
-measured in *interleaved* rounds: in each repeat, each metric is measured for
-every configuration in turn (the order rotates from repeat to repeat), so slow
-drifts of a shared machine hit all configurations alike. The table reports the
-median over repeats and the spread (``±``: half the range, as a % of the
-median); ratios are medians of the per-repeat ratios (paired samples).
+Run ``python -m guardtrain.bench --help`` (or the ``guardtrain bench`` console script).
+Every configuration of every model is built once, warmed up, and then measured in
+*interleaved* rounds: in each repeat, each metric is measured for every configuration in
+turn (the order rotates from repeat to repeat), so slow drifts of a shared machine hit all
+configurations alike. The table reports the median over repeats and the spread (``±``: half
+the range, as a % of the median); ratios are medians of the per-repeat ratios (paired
+samples).
 
 Configurations:
 
@@ -33,46 +33,43 @@ Configurations:
   training step and the ``no_grad`` call get graphs of their own.
 
 Metrics per configuration: ``guard_us`` and ``pregraph_us`` (profiler events
-``TorchDynamo Cache Lookup`` and ``Pregraph bytecode`` in a short profiled
-window of ``no_grad`` calls in training mode; per model call, i.e. summed over
-its compiled frames, 12 for ``regional``; each frame's median over the window,
-see :mod:`guardtrain.profiling`), ``call_us`` (a whole ``no_grad`` call, without
-the profiler), ``step_us`` (forward, backward, ``SGD.step``), ``compiles``
-(Dynamo frame compiles during warm-up and measurement), ``call-floor µs/frame``
-(per repeat, the call minus ``floor``'s call, divided by the compiled frames per
-call: 12 for ``regional``, 1 for a whole model; median and range), the paired ratios
-``/compile``, ``/floor`` and ``/aot`` (call and step; each repeat's value over the other
-configuration's in the same repeat, median and range) and
-``matches_eager``: after the measurements (training mode), the model is switched to ``eval()``
-and called under ``no_grad``; the output must equal the uncompiled model's
-with the same weights. ``floor`` and ``aot`` fail this on models with dropout: they reuse
-the training-mode graph. Under ``aot`` the profiler sees no guard evaluation
-(``guard_us`` 0) but the pre-graph bytecode that reads the parameters off the module.
+``TorchDynamo Cache Lookup`` and ``Pregraph bytecode`` in a short profiled window of
+``no_grad`` calls in training mode; per model call, i.e. summed over its compiled frames, 12
+for ``regional``; each frame's median over the window, see :mod:`guardtrain.profiling`),
+``call_us`` (a whole ``no_grad`` call, without the profiler), ``step_us`` (forward,
+backward, ``SGD.step``), ``compiles`` (Dynamo frame compiles during warm-up and
+measurement), ``call-floor µs/frame`` (per repeat, the call minus ``floor``'s call, divided
+by the compiled frames per call: 12 for ``regional``, 1 for a whole model; median and
+range), the paired ratios ``/compile``, ``/floor`` and ``/aot`` (call and step; each
+repeat's value over the other configuration's in the same repeat, median and range) and
+``matches_eager``: after the measurements (training mode), the model is switched to
+``eval()`` and called under ``no_grad``; the output must equal the uncompiled model's with
+the same weights. ``floor`` and ``aot`` fail this on models with dropout: they reuse the
+training-mode graph. Under ``aot`` the profiler sees no guard evaluation (``guard_us`` 0)
+but the pre-graph bytecode that reads the parameters off the module.
 
-``call_us`` and ``step_us`` time every call on its own and take the median of
-the window; within a repeat the configurations take turns every
-:data:`CALL_CHUNK` calls (:data:`STEP_CHUNK` steps), so each sees the same load.
+``call_us`` and ``step_us`` time every call on its own and take the median of the window;
+within a repeat the configurations take turns every :data:`CALL_CHUNK` calls
+(:data:`STEP_CHUNK` steps), so each sees the same load.
 
-The models run with one intra-op thread by default (``--threads``): on a
-machine with 2 shared cores, two OpenMP threads spin against other processes
-(a small matmul is then many times slower with 2 threads than with 1).
+The models run with one intra-op thread by default (``--threads``): on a machine with 2
+shared cores, two OpenMP threads spin against other processes (a small matmul is then many
+times slower with 2 threads than with 1).
 
-The output shows results only; ``--check`` also checks the project's
-performance targets (:mod:`guardtrain.bench.goals`; among them ``turbo``'s ``no_grad``
-call at or below ``aot``'s on ``transformer`` and ``regional``) and exits with status 1
-when one is missed.
+The output shows results only; ``--check`` also checks the project's performance targets
+(:mod:`guardtrain.bench.goals`; among them ``turbo``'s ``no_grad`` call at or below
+``aot``'s on ``transformer`` and ``regional``) and exits with status 1 when one is missed.
 
 The speed suite of real workloads runs from a checkout of the repository
 (:mod:`~guardtrain.bench.command`).
 
 Modules: :mod:`~guardtrain.bench.models` (configurations and models),
-:mod:`~guardtrain.bench.runner` (one configuration), :mod:`~guardtrain.bench.measure`
-(the interleaved run), :mod:`~guardtrain.bench.report` (table, JSON, plot),
-:mod:`~guardtrain.bench.anchor` (the ``aot`` anchor),
-:mod:`~guardtrain.bench.goals` (targets), :mod:`~guardtrain.bench.cost`
-(``--callback-cost``), :mod:`~guardtrain.bench.optimizer` (``--optimizer-step``),
-:mod:`~guardtrain.bench.timing` (the clocks), :mod:`~guardtrain.bench.command` (the
-command line).
+:mod:`~guardtrain.bench.runner` (one configuration), :mod:`~guardtrain.bench.measure` (the
+interleaved run), :mod:`~guardtrain.bench.report` (table, JSON, plot),
+:mod:`~guardtrain.bench.anchor` (the ``aot`` anchor), :mod:`~guardtrain.bench.goals`
+(targets), :mod:`~guardtrain.bench.cost` (``--callback-cost``),
+:mod:`~guardtrain.bench.optimizer` (``--optimizer-step``), :mod:`~guardtrain.bench.timing`
+(the clocks), :mod:`~guardtrain.bench.command` (the command line).
 """
 
 from __future__ import annotations
