@@ -44,54 +44,34 @@ SUITE_OPTIONS = (
 def build_parser(prog: str, description: str = DESCRIPTION) -> argparse.ArgumentParser:
     """The options of the models bench, ``--callback-cost`` and ``--optimizer-step``."""
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument(
+    add = p.add_argument
+    add(
         "--model",
         action="append",
         metavar="NAME",
         help=f"{', '.join(MODELS)} or package.module:factory (repeatable; "
         "default: all built-in models; --quick: transformer)",
     )
-    p.add_argument(
-        "--configs",
-        action="append",
-        metavar="LIST",
-        help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)",
-    )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help="interleaved repeats (default 5)",
-    )
-    p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
-    p.add_argument(
-        "--calls", type=int, default=None, help="no_grad calls per window (default: calibrated)"
-    )
-    p.add_argument(
-        "--steps", type=int, default=None, help="training steps per window (default: calibrated)"
-    )
-    p.add_argument(
+    configs = f"comma-separated, from {', '.join(CONFIGS)} (default: all)"
+    add("--configs", action="append", metavar="LIST", help=configs)
+    add("--repeats", type=int, help="interleaved repeats (default 5)")
+    add("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    add("--calls", type=int, help="no_grad calls per window (default: calibrated)")
+    add("--steps", type=int, help="training steps per window (default: calibrated)")
+    add(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1; 0 keeps torch's)"
     )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="transformer only, no training step, shorter windows (see docs/bench.md)",
-    )
-    p.add_argument(
-        "--no-step", action="store_true", help="leave out the training step (no backward compile)"
-    )
-    p.add_argument("--tiny", action="store_true", help="shrink the built-in models (smoke tests)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--callback-cost",
-        action="store_true",
-        help="measure the callback's per-step hook cost in the steady state instead",
-    )
-    p.add_argument("--preset", default="aggressive", help="preset for --callback-cost")
-    p.add_argument(
+    quick = "transformer only, no training step, shorter windows (see docs/bench.md)"
+    add("--quick", action="store_true", help=quick)
+    add("--no-step", action="store_true", help="leave out the training step (no backward compile)")
+    add("--tiny", action="store_true", help="shrink the built-in models (smoke tests)")
+    add("--json", metavar="PATH", help="write the results as JSON")
+    add("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    add("--no-progress", action="store_true", help="no progress bar")
+    cost = "measure the callback's per-step hook cost in the steady state instead"
+    add("--callback-cost", action="store_true", help=cost)
+    add("--preset", default="aggressive", help="preset for --callback-cost")
+    add(
         "--optimizer-step",
         action="store_true",
         help="time the optimizer step instead: eager foreach Adam, plain compile and "
@@ -99,14 +79,9 @@ def build_parser(prog: str, description: str = DESCRIPTION) -> argparse.Argument
         "path's check against plain compile's lookup (--steps timed steps, default 200; --tiny; "
         "--no-schedule: a constant lr); see docs/bench.md",
     )
-    p.add_argument(
-        "--no-schedule", action="store_true", help="with --optimizer-step: a constant lr"
-    )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="also check guardtrain's performance targets; exit 1 when one is missed",
-    )
+    add("--no-schedule", action="store_true", help="with --optimizer-step: a constant lr")
+    check = "also check guardtrain's performance targets; exit 1 when one is missed"
+    add("--check", action="store_true", help=check)
     return p
 
 
