@@ -383,6 +383,7 @@ def test_turbo_row_is_run_by_the_engine(tiny_run: tuple[dict[str, Any], str]) ->
     assert "mlp/turbo: run by the engine's phases (steady while measuring" in table
     engine_rows = bench.ENGINE_CONFIGS  # every preset
     assert all("driver" not in r for r in data["results"] if r["config"] not in engine_rows)
+    assert all(r["driver"] == "engine" for r in data["results"] if r["config"] in engine_rows)
 
 
 def test_ratio_spread_and_per_frame_column(tiny_run: tuple[dict[str, Any], str]) -> None:
