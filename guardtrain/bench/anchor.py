@@ -1,28 +1,26 @@
 """The bench's anchor ``aot``: PyTorch's ``aot_compile().disable_guard_check()``, unsound.
 
 What PyTorch itself offers for a call with no guards at all (the dispatch vLLM uses):
-``torch.compile(fn, fullgraph=True).aot_compile(((module, *args), kwargs))`` traces
-``fn`` (here the class's own ``forward``, unbound) in one graph and returns an
-``AOTCompiledFunction``; after ``disable_guard_check()`` its call runs the compiled
-code with no guard evaluated and no Dynamo entry path (``torch/_dynamo/aot_compile.py``:
-two attribute tests, then the compiled bytecode, which reads the parameters off the
-module it is given and calls the graph). Nothing is checked: the caller picks what
-to run. The bench picks by the kind of call it makes: one function compiled under
-``no_grad`` for the ``no_grad`` calls and one under grad mode for the training step,
-both in training mode (so after ``eval()`` the ``no_grad`` call still runs the
-training graph: dropout stays on, as with ``floor``).
+``torch.compile(fn, fullgraph=True).aot_compile(((module, *args), kwargs))`` traces ``fn``
+(here the class's own ``forward``, unbound) in one graph; after ``disable_guard_check()``
+the ``AOTCompiledFunction`` runs the compiled code with no guard evaluated and no Dynamo
+entry path (``torch/_dynamo/aot_compile.py``: two attribute tests, then the compiled
+bytecode, which reads the parameters off the module it is given and calls the graph).
+Nothing is checked: the caller picks what to run. The bench picks by the kind of call: one
+function compiled under ``no_grad`` for the ``no_grad`` calls, one in grad mode for the
+training step, both in training mode (so after ``eval()`` the ``no_grad`` call still runs
+the training graph, dropout on, as with ``floor``).
 
-For a model compiled whole the configuration calls the function with the model; for
-regional targets (``blocks.*``) each block's ``_compiled_call_impl`` (what
-``block.compile()`` sets) becomes the function bound to that block, blocks of one
-structure (:func:`~guardtrain.compile.code.structure_key` and equal scalar attributes)
-sharing one compiled function, as compiled code is shared elsewhere. The functions
-installed change only when the kind of call changes (one comparison per model call).
+A model compiled whole is called through the function; for regional targets
+(``blocks.*``) each block's ``_compiled_call_impl`` (what ``block.compile()`` sets) is the
+function bound to that block, blocks of one structure
+(:func:`~guardtrain.compile.code.structure_key` and equal scalar attributes) sharing one
+function. The functions installed change only when the kind of call changes.
 
-It cannot serve a model with a graph break (``aot_compile`` needs ``fullgraph=True``),
-a backend whose output is not serializable, or a torch without ``aot_compile``: its
-row then shows ``-`` and says why (``unavailable``); a training step it cannot compile
-is ``-`` with its own reason (``step_unavailable``).
+It cannot serve a model with a graph break (``aot_compile`` needs ``fullgraph=True``), a
+backend whose output is not serializable, or a torch without ``aot_compile``: its row then
+shows ``-`` and says why (``unavailable``); a training step it cannot compile is ``-``
+with its own reason (``step_unavailable``).
 """
 
 from __future__ import annotations
