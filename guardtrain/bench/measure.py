@@ -338,14 +338,9 @@ def _timed_in_turns(
 
 def _medians(rows: list[Sample]) -> tuple[dict[str, float | None], dict[str, Any]]:
     """Per metric: the median over repeats, and median/min/max (the spread)."""
-    medians: dict[str, float | None] = {}
-    spread: dict[str, Any] = {}
-    for metric in METRICS:
-        values = [v for v in (s[metric] for s in rows) if v is not None]
-        medians[metric] = statistics.median(values) if values else None
-        if values:
-            spread[metric] = _summary(values)
-    return medians, spread
+    measured = {m: [s[m] for s in rows if s[m] is not None] for m in METRICS}
+    spread: dict[str, Any] = {m: _summary(v) for m, v in measured.items() if v}
+    return {m: spread[m]["median"] if m in spread else None for m in METRICS}, spread
 
 
 def _ratios(
