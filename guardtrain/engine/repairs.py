@@ -270,14 +270,15 @@ class Repairs:
             if not steady or r.paired():
                 return
         batch = r.train_batches()
+        start = ledger.window_start
+        if start is not None and batch - start < CHECK_WINDOW:
+            return  # inside a window: nothing to read (most batches)
         installed = [t for t in r.targets.installed if t.handed_over is None]
-        if ledger.window_start is None:
+        if start is None:
             ledger.window_start = batch
             ledger.checks = {id(t): t.general_checks for t in installed}
             return
-        steps = batch - ledger.window_start
-        if steps < CHECK_WINDOW:
-            return
+        steps = batch - start
         ledger.window_start = None
         by_name = {self.label(t): t for t in installed}
         checks = {
