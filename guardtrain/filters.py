@@ -190,6 +190,9 @@ def _is_nn_module_source(entry: GuardFilterEntry) -> bool:
 
 
 _SCALARS = (bool, int, float, str)
+_TRAINING = (".training", "'training')")
+"""A guard's name that reads a module's ``training`` flag: ``m.training``, or Dynamo's
+``object.__getattribute__(m, 'training')`` (a module with its own ``__getattr__``)."""
 _LENGTH_GUARDS = frozenset({"SEQUENCE_LENGTH", "LIST_LENGTH", "TUPLE_LENGTH"})
 _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
 
@@ -199,7 +202,7 @@ def _floor_keeps(entry: GuardFilterEntry) -> bool:
         return True
     if entry.guard_type in STATE_CREATION_GUARD_TYPES and not entry.is_global:
         return True
-    if entry.name.endswith(".training"):
+    if entry.name.endswith(_TRAINING):
         return True
     if entry.guard_type in _LENGTH_GUARDS and not entry.is_global:
         return True

@@ -100,3 +100,23 @@ def test_missing_filter_is_switched_off_with_version(monkeypatch: pytest.MonkeyP
     monkeypatch.delattr(torch.compiler, "skip_all_guards_unsafe")
     with pytest.warns(UserWarning, match=r"needs torch>=2\.10"):
         assert filters.resolve("skip_all") is None
+
+
+def test_floor_keeps_a_training_guard_in_either_form() -> None:
+    """Dynamo names a module's flag ``m.training`` or ``object.__getattribute__(m,
+    'training')``; the floor keeps both, a global module's too (no other rule keeps those)."""
+    from types import SimpleNamespace
+
+    def entry(name: str) -> Any:
+        return SimpleNamespace(
+            name=name,
+            guard_type="CONSTANT_MATCH",
+            is_global=True,
+            has_value=True,
+            value=True,
+            orig_guard=None,
+        )
+
+    names = ["G['net']._modules['drop'].training", "object.__getattribute__(G['net'], 'training')"]
+    assert filters.soundness_floor([entry(n) for n in names]) == [True, True]
+    assert filters.soundness_floor([entry("G['net'].scale")]) == [False]
