@@ -24,7 +24,7 @@ lookup on a module-level name, no added call.
 | ``reset_code`` | ``torch._dynamo.reset_code`` | forget the entries of the frames after a graph break on a rebuild | 2.11-2.15 |
 | ``callback_handler`` | ``torch._dynamo.callback_handler`` | the compile-start callback that keeps ``install_free_tensors`` to the trampoline's own frame (H12) | 2.11-2.15 (callbacks take an argument from 2.8) |
 | ``compiling_frame`` | the locals ``code`` and ``recompile_reason`` of Dynamo's ``_compile`` frame | which frame a guard filter call compiles, and why | 2.11-2.15 |
-| ``graph_break_records``, ``graph_break_counts``, ``skipped_by_dynamo`` | ``torch._dynamo.utils.graph_break_reasons`` and ``counters["graph_break"]``, ``torch._dynamo.trace_rules.check`` | where the graph breaks are (H20) | 2.11-2.15 |
+| ``graph_break_records``, ``skipped_by_dynamo`` | ``torch._dynamo.utils.graph_break_reasons``, ``torch._dynamo.trace_rules.check`` | where the graph breaks are (H20) | 2.11-2.15 |
 | ``frame_compiles``, ``graph_compiles``, ``compile_seconds`` | ``torch._dynamo.utils.counters["frames"]``, ``counters["stats"]["unique_graphs"]``, ``calculate_time_spent()`` | compile counts (frames, and Dynamo's own count of graphs) and torch's own compile seconds | 2.11-2.15 |
 | ``dynamo_counters``, ``fx_graph_cache_on``, ``cache_artifacts`` | ``torch._dynamo.utils.counters``, ``torch._inductor.config.fx_graph_cache``, ``torch.compiler._cache.CacheArtifactManager`` | what a warm start loaded, and a bad artifact refused at load | 2.11-2.15 |
 | ``inductor_mode_options`` | ``torch._inductor.list_mode_options`` | a ``mode`` expanded beside the guard filter (H10) | 2.11-2.15 |
@@ -108,7 +108,6 @@ __all__ = [
     "graph_compiles",
     "skip_frame",
     "fx_graph_cache_on",
-    "graph_break_counts",
     "graph_break_records",
     "guard_builder_names",
     "guards",
@@ -208,16 +207,9 @@ def compiling_frame() -> tuple[types.CodeType | None, str | None]:
 # -- graph breaks, compiles, counters -------------------------------------------------------
 
 
-def graph_break_records() -> list[Any] | None:
-    """Dynamo's record of every graph break (reason and traced user stack), or None."""
-    records = getattr(torch._dynamo.utils, "graph_break_reasons", None)
-    return records if isinstance(records, list) else None
-
-
-def graph_break_counts() -> Any:
-    """Dynamo's count of graph breaks by reason text (the fallback of
-    :func:`graph_break_records`)."""
-    return torch._dynamo.utils.counters["graph_break"]
+def graph_break_records() -> list[Any]:
+    """Dynamo's record of every graph break (reason and traced user stack)."""
+    return torch._dynamo.utils.graph_break_reasons  # type: ignore[no-any-return]
 
 
 def skipped_by_dynamo(code: types.CodeType) -> bool | None:

@@ -4,9 +4,7 @@ Dynamo keeps a ``GraphCompileReason`` for every graph break it makes, with the
 reason and the user stack it was tracing (:func:`guardtrain._torch.graph_break_records`).
 It fills that list whether or not logging is on, and Dynamo's ``reset()`` empties it.
 Reading it needs no log handler and no config change: nothing is printed and no global
-state changes. ``counters["graph_break"]`` (the fallback
-for a torch without the list) has the reason text only, and no entry at all for
-data-dependent branching.
+state changes.
 
 A :class:`BreakLog` remembers how far it has read; :meth:`BreakLog.new` returns
 the breaks recorded since, one per reason and place.
@@ -21,7 +19,7 @@ from typing import Any
 
 import torch
 
-from guardtrain._torch import graph_break_counts, graph_break_records, skipped_by_dynamo
+from guardtrain._torch import graph_break_records, skipped_by_dynamo
 from guardtrain.compile import trampoline as _trampoline
 
 __all__ = [
@@ -171,20 +169,16 @@ def innermost(breaks: list[GraphBreak], modules: list[tuple[str, Any]]) -> str |
 class BreakLog:
     """The graph breaks Dynamo recorded since this log was made or last read."""
 
-    __slots__ = ("_count", "_last", "_seen")
+    __slots__ = ("_count", "_last")
 
     def __init__(self) -> None:
         self._count = 0
         self._last: Any = None
-        self._seen: set[str] = set()
         self.mark()
 
     def mark(self) -> None:
         """Forget the breaks recorded so far."""
         records = graph_break_records()
-        if records is None:
-            self._seen = set(graph_break_counts())
-            return
         self._count = len(records)
         self._last = records[-1] if records else None
 
@@ -197,11 +191,6 @@ class BreakLog:
         break, are dropped.
         """
         records = graph_break_records()
-        if records is None:
-            counted = graph_break_counts()
-            fresh = [GraphBreak(_first_line(k), "") for k in counted if k not in self._seen]
-            self._seen.update(counted)
-            return fresh
         start = self._count
         if len(records) < start or (start and records[start - 1] is not self._last):
             start = 0  # Dynamo's reset() emptied the list since the last read

@@ -278,8 +278,13 @@ class Repairs:
             ledger.window_start = batch
             ledger.checks = {id(t): t.general_checks for t in installed}
             return
-        steps = batch - start
         ledger.window_start = None
+        self._hand_over_costly(installed, batch - start)
+
+    def _hand_over_costly(self, installed: list[CompiledTarget], steps: int) -> None:
+        """At a window's end (``steps`` steady batches): hand over the targets whose checks
+        outweighed the guards skipped, in this window and the one before."""
+        ledger = self.run.ledger
         by_name = {self.label(t): t for t in installed}
         checks = {
             name: (t.general_checks - ledger.checks.get(id(t), t.general_checks), *t.check_rows())
