@@ -163,11 +163,6 @@ class LookupStats:
         return _median(self.guard_durations_us)
 
     @property
-    def pregraph_us(self) -> float:
-        """Pre-graph µs per compiled call: the median ``Pregraph bytecode`` event."""
-        return _median(self.pregraph_durations_us)
-
-    @property
     def guard_us_per_call(self) -> float | None:
         """Guard µs per model call or step (all its compiled frames), when ``calls`` is known."""
         return _per_call(self.guard_durations_us, self.calls)
