@@ -1,8 +1,8 @@
 """The run's report, ``summary()``: :func:`build` reads a run's parts into a plain dict.
 
 The dict holds ``str``, ``int``, ``float`` and lists and dicts of those; its counters are
-the training's (:func:`totals`, :mod:`guardtrain.engine.counters`). The table (:mod:`guardtrain.engine.table`) and the
-``guard/*`` metrics (:mod:`guardtrain.engine.metrics`) are read from it.
+the training's (:func:`totals`: :class:`~guardtrain.engine.counters.Counters`). The table
+(:mod:`guardtrain.engine.table`) is read from it.
 """
 
 from __future__ import annotations
