@@ -1,19 +1,17 @@
 """What a run measures about itself: compile counts, and Dynamo's per-call guard time.
 
-:class:`CompileMonitor` counts the frame compilations of the targets and keeps
-their reasons. Compiles are counted by the guard filter every target installs:
-Dynamo calls it once per frame compilation (graph-break resume frames
-included), never for a lazily compiled backward, and it keeps working across
-Dynamo's ``reset()`` (H6). The reason is Dynamo's own recompile reason.
+:class:`CompileMonitor` counts the frame compilations of the targets and keeps their
+reasons (Dynamo's own recompile reasons). The guard filter every target installs counts
+them: Dynamo calls it once per frame compilation (graph-break resume frames included),
+never for a lazily compiled backward, and it keeps working across Dynamo's ``reset()`` (H6).
 
-:class:`LookupWindow` measures Dynamo's per-call guard and pre-graph time inside
-a run, over a short window. It turns PyTorch's profiler on for a few compiled calls and
-reads two of its events:
+:class:`LookupWindow` measures Dynamo's per-call guard and pre-graph time inside a run,
+over a short window: PyTorch's profiler, on for a few compiled calls, records two events:
 
-* ``TorchDynamo Cache Lookup``: one per call of a compiled frame; its length is
-  the guard evaluation (walking the cache entries until one's guards pass).
-* ``Pregraph bytecode``: the bytecode Dynamo runs between the guards and the
-  graph (unpacking parameters and inputs into the graph's arguments).
+* ``TorchDynamo Cache Lookup``: one per call of a compiled frame; its length is the guard
+  evaluation (walking the cache entries until one's guards pass).
+* ``Pregraph bytecode``: the bytecode Dynamo runs between the guards and the graph
+  (unpacking parameters and inputs into the graph's arguments).
 
 Usage::
 
@@ -24,21 +22,18 @@ Usage::
         stats.guard_us             # guard µs per compiled call (per lookup)
         stats.guard_us_per_call    # guard µs per model call / step (all frames)
 
-Its own cost: starting the profiler costs a fixed amount; stopping it and reading
-the events grow with the number of profiler events in the window (every aten op is
-recorded, not only the two events), so with the number of compiled calls in it.
-While the window is open, each call runs slower; the two events' own lengths are
-hardly affected (one timestamp pair each). So: measure a window of a few steps, a few times per run, and never
-time whole steps inside it. ``guardtrain bench`` reports the cost of its own
-windows (``lookup_window_cost_us`` in the JSON).
+Its own cost: starting the profiler costs a fixed amount; stopping it and reading the
+events grow with the profiler events in the window (every aten op is recorded), so with
+its compiled calls. While it is open each call runs slower, though the two events' own
+lengths hardly change (one timestamp pair each). So: a window of a few steps, a few times
+per run, never timing whole steps inside it. ``guardtrain bench`` reports the cost of its
+own windows (``lookup_window_cost_us`` in the JSON).
 
-Per-call figures use medians (of each frame position's events, see
-:func:`_per_call`), not means: on a shared machine a preemption inside one
-lookup stretches that event by milliseconds.
-
-The profiler is process-wide and only one can run at a time: :meth:`start`
-returns ``False`` (and :meth:`stop` then returns ``None``) when another
-profiler is active, so a user's own profiling is never disturbed.
+Per-call figures are medians (of each frame position's events, :func:`_per_call`), not
+means: on a shared machine a preemption inside one lookup stretches it by milliseconds.
+The profiler is process-wide, one at a time: :meth:`start` returns ``False`` (and
+:meth:`stop` then ``None``) when another is active, so a user's own profiling is never
+disturbed.
 """
 
 from __future__ import annotations
@@ -77,14 +72,11 @@ class CompileMonitor:
     max_events: int = 100
     by_target: Counter[str] = field(default_factory=Counter)
     """Compiles per target, by the name the summary gives it."""
-    seconds_at_start: float | None = None
-    """Torch's compile seconds in this process when the run started compiling."""
-    seconds: float = 0.0
-    """Torch's compile seconds of the run so far, up to :meth:`stop`."""
-    graphs_at_start: int = 0
-    """Dynamo's graph count in this process when the run started compiling."""
-    graphs: int = 0
-    """Dynamo's graphs compiled in the run so far, up to :meth:`stop`."""
+    started: tuple[float, int] | None = None
+    """Torch's compile seconds and Dynamo's graph count in the process when the run started
+    compiling; None outside :meth:`start` and :meth:`stop`."""
+    before: tuple[float, int] = (0.0, 0)
+    """The run's compile seconds and graphs up to its last :meth:`stop`."""
 
     def record(self, step: int, target: str, reason: str | None, label: str = "") -> None:
         self.compiles += 1
@@ -95,31 +87,23 @@ class CompileMonitor:
             )
 
     def start(self) -> None:
-        """The run starts: its compile seconds count from here."""
-        if self.seconds_at_start is None:
-            self.seconds_at_start = compile_seconds()
-            self.graphs_at_start = graph_compiles()
+        """The run starts: its compile seconds and graphs count from here."""
+        if self.started is None:
+            self.started = (compile_seconds(), graph_compiles())
 
     def stop(self) -> None:
         """The run ends: its compile seconds and graphs stay as they are now."""
-        self.seconds = self.run_seconds()
-        self.graphs = self.run_graphs()
-        self.seconds_at_start = None
+        self.before, self.started = self.spent(), None
 
-    def run_graphs(self) -> int:
-        """Dynamo's graphs compiled since :meth:`start` (its ``unique_graphs``): every graph
-        in the process meanwhile, the targets' and any other, where :attr:`compiles` counts
-        the targets' frame compiles (cache entries)."""
-        if self.seconds_at_start is None:
-            return self.graphs
-        return self.graphs + graph_compiles() - self.graphs_at_start
-
-    def run_seconds(self) -> float:
-        """Torch's compile seconds (frames and backward graphs) since :meth:`start`: every
-        compile in the process meanwhile, the targets' and any other."""
-        if self.seconds_at_start is None:
-            return self.seconds
-        return self.seconds + compile_seconds() - self.seconds_at_start
+    def spent(self) -> tuple[float, int]:
+        """Torch's compile seconds (frames and backward graphs) and Dynamo's graphs (its
+        ``unique_graphs``) in the run: every compile in the process while it ran, the
+        targets' and any other, where :attr:`compiles` counts the targets' frame compiles
+        (cache entries)."""
+        if self.started is None:
+            return self.before
+        (seconds, graphs), (seconds0, graphs0) = self.before, self.started
+        return seconds + compile_seconds() - seconds0, graphs + graph_compiles() - graphs0
 
 
 profiler_active = profiler_enabled
@@ -174,23 +158,9 @@ class LookupStats:
         return len(self.guard_durations_us)
 
     @property
-    def guard_us_total(self) -> float:
-        return sum(self.guard_durations_us)
-
-    @property
     def guard_us(self) -> float:
         """Guard µs per compiled call: the median lookup (0.0 when nothing compiled ran)."""
         return _median(self.guard_durations_us)
-
-    @property
-    def pregraph_us(self) -> float:
-        """Pre-graph µs per compiled call: the median ``Pregraph bytecode`` event."""
-        return _median(self.pregraph_durations_us)
-
-    @property
-    def guard_us_mean(self) -> float:
-        n = len(self.guard_durations_us)
-        return self.guard_us_total / n if n else 0.0
 
     @property
     def guard_us_per_call(self) -> float | None:
@@ -205,24 +175,6 @@ class LookupStats:
     def cost_us(self) -> float:
         """The window's own cost outside the measured calls: start + stop + parse."""
         return self.start_us + self.stop_us + self.parse_us
-
-    def as_dict(self) -> dict[str, Any]:
-        """The figures, without the per-event lists."""
-        return {
-            "lookups": self.lookups,
-            "pregraph_events": len(self.pregraph_durations_us),
-            "calls": self.calls,
-            "guard_us": self.guard_us,
-            "pregraph_us": self.pregraph_us,
-            "guard_us_mean": self.guard_us_mean,
-            "guard_us_per_call": self.guard_us_per_call,
-            "pregraph_us_per_call": self.pregraph_us_per_call,
-            "start_us": self.start_us,
-            "stop_us": self.stop_us,
-            "parse_us": self.parse_us,
-            "cost_us": self.cost_us,
-            "window_s": self.window_s,
-        }
 
 
 class LookupWindow:
@@ -290,12 +242,3 @@ class LookupWindow:
             parse_us=(t3 - t2) * 1e6,
             window_s=t1 - self._t0,
         )
-
-    def __enter__(self) -> LookupWindow:
-        self.result: LookupStats | None = None
-        self.calls: int | None = None
-        self.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.result = self.stop(calls=self.calls)

@@ -331,7 +331,7 @@ def test_lookup_window_counts_one_lookup_per_compiled_call() -> None:
     assert stats is not None
     assert stats.lookups == 5 and len(stats.pregraph_durations_us) == 5
     assert stats.guard_us > 0 and stats.guard_us_per_call is not None
-    assert stats.cost_us > 0 and stats.as_dict()["lookups"] == 5
+    assert stats.cost_us > 0
     assert window.stop() is None  # not started
 
 

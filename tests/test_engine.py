@@ -106,6 +106,31 @@ def test_engine_without_a_trainer() -> None:
     assert loaded["guard"]["rearms"][0]["loop"] == "train"
 
 
+def test_a_checkpoint_keeps_its_keys_and_an_older_one_loads() -> None:
+    """``state_dict()``'s keys are the checkpoint format; one written by 0.1.0 (without
+    ``full_guard_calls`` and ``state_swaps``) loads, those two at 0, and a run goes on
+    from its counters."""
+    engine = GuardEngine(make_config("aggressive", warmup_steps=1, stable_steps=1), Host())
+    keys = ["preset", "compiles", "rearms", "warmup_steps_taken", "steady_steps"]
+    keys += ["full_guard_calls", "state_swaps", "train_batches"]
+    assert list(engine.state_dict()) == keys
+    rearm = {"step": 4, "reason": "r", "loop": "train", "rank": 0}
+    v010 = {"preset": "aggressive", "compiles": 3, "rearms": [rearm]}
+    v010 |= {"warmup_steps_taken": 5, "steady_steps": 7, "train_batches": 12}
+    engine.load_state_dict(v010)
+    s = engine.summary()
+    assert (s["compiles"], s["rearms"], s["warmup_steps_taken"], s["steady_steps"]) == (
+        3,
+        [rearm],
+        5,
+        7,
+    )
+    assert (s["full_guard_calls"], s["state_swaps"], engine.train_batches()) == (0, 0, 12)
+    assert engine.state_dict() == {**v010, "full_guard_calls": 0, "state_swaps": 0}
+    engine.load_state_dict({})  # older still: nothing kept
+    assert engine.state_dict() == dict.fromkeys(keys, 0) | {"preset": "aggressive", "rearms": []}
+
+
 def test_setup_takes_the_runs_compile_options() -> None:
     """An adapter that takes over a framework's compile passes its options to ``setup``:
     that run compiles with them; the next run without them goes back to the arguments'."""

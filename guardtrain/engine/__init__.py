@@ -16,7 +16,8 @@
 * :mod:`~guardtrain.engine.changes`: changes caught before a call, and what each calls for.
 * :mod:`~guardtrain.engine.lookup`: the lookup windows (guard time per step, profiled).
 * :mod:`~guardtrain.engine.summary`: ``summary()``, the run's report as a plain dict.
-* :mod:`~guardtrain.engine.checkpoint`: what a checkpoint and the next run keep of it.
+* :mod:`~guardtrain.engine.counters`: the training's one counter set, which a checkpoint
+  and the next run keep whole.
 * :mod:`~guardtrain.engine.metrics`: the ``guard/*`` metrics.
 * :mod:`~guardtrain.engine.table`: the end-of-run table, and what ``auto`` chose.
 * :mod:`~guardtrain.engine.phases`: the warm-up -> steady -> re-armed machine per loop.

@@ -32,11 +32,12 @@ from typing import Any, Iterable
 from torch import nn
 
 from guardtrain import versions as _versions
-from guardtrain.engine import checkpoint, summary, table, warmstart
 from guardtrain.engine import holders as _runs
 from guardtrain.engine import levers as _levers
+from guardtrain.engine import summary, table, warmstart
 from guardtrain.engine.batch_checks import STEADY, BatchChecks
 from guardtrain.engine.config import DISABLE_ENV, GuardConfig
+from guardtrain.engine.counters import Counters
 from guardtrain.engine.host import Host
 from guardtrain.engine.levers import Levers
 from guardtrain.engine.metrics import MetricsLog
@@ -139,11 +140,6 @@ class GuardEngine:
         """Why the stance stays off for the rest of the run, or None."""
         return self.run.machine.blocked
 
-    @property
-    def restored(self) -> dict[str, Any]:
-        """Counters of earlier runs (a checkpoint, or earlier trainer calls)."""
-        return self.run.restored
-
     def train_batches(self) -> int:
         """Training batches of this run and the earlier ones (a checkpoint's included)."""
         return self.run.train_batches()
@@ -156,10 +152,10 @@ class GuardEngine:
         return table.format_summary(self.summary())
 
     def state_dict(self) -> dict[str, Any]:
-        return checkpoint.state_dict(self.summary(), self.train_batches())
+        return summary.totals(self.run).saved(self.run.config.preset)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.run.restored = checkpoint.loaded(state_dict)
+        self.run.earlier = Counters.load(state_dict)
 
     def config_values(self) -> dict[str, Any]:
         """The Dynamo config values a run sets (after :meth:`setup`)."""
@@ -167,7 +163,11 @@ class GuardEngine:
 
     def gather_rearms(self) -> None:
         """With several processes, collect every rank's re-arms for rank zero's summary."""
-        summary.gather_rearms(self.run)
+        r = self.run
+        if r.machine.collective and not r.config.disabled:
+            gathered = r.host.agreement.gather(list(r.machine.rearms))
+            merged = [x for rearms in gathered for x in (rearms or [])]
+            r.state.all_rearms = sorted(merged, key=lambda x: (x["step"], x.get("rank", 0)))
 
     # -- a run -------------------------------------------------------------------------------
 
@@ -200,7 +200,7 @@ class GuardEngine:
         _runs.release_dead_runs(self._held, r.host)  # dead runs put their config back
         r.config = self._arguments.for_run(compile_kwargs)
         if self._ran:  # a later run: the summary goes on from the earlier ones
-            r.restored = checkpoint.carried(self.summary(), self.train_batches())
+            r.earlier = summary.totals(r)
             self._ran = False
         r.renew()
         self.metrics = MetricsLog()

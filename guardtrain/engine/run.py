@@ -15,6 +15,7 @@ from typing import Any
 from guardtrain.engine import levers as _levers
 from guardtrain.engine.changes import ChangeLog
 from guardtrain.engine.config import GuardConfig
+from guardtrain.engine.counters import Counters
 from guardtrain.engine.findings import Checks
 from guardtrain.engine.handover import Ledger
 from guardtrain.engine.host import Host
@@ -106,8 +107,8 @@ class Run:
     """The lookup windows."""
     state: RunState = field(default_factory=RunState)
     """What the engine remembers of the run."""
-    restored: dict[str, Any] = field(default_factory=dict)
-    """Counters of earlier runs (a checkpoint, or earlier trainer calls)."""
+    earlier: Counters = field(default_factory=Counters)
+    """The earlier runs' counters (a checkpoint's, or earlier trainer calls'), held whole."""
     ledger: Ledger = field(default_factory=Ledger)
     """What the hand-over decisions read: rebuilds, the checks' cost (H51)."""
     optimizers: OptimizerSteps = field(default_factory=OptimizerSteps)
@@ -142,7 +143,7 @@ class Run:
 
     def train_batches(self) -> int:
         """Training batches of this run and the earlier ones (a checkpoint's included)."""
-        return self.machine.loops[TRAIN].batches + self.restored.get("train_batches", 0)
+        return self.machine.loops[TRAIN].batches + self.earlier.train_batches
 
     def changes(self) -> int:
         """Counts what moves the logged metrics: compiles, entries, re-arms, a blocked

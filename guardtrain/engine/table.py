@@ -58,17 +58,12 @@ def _compiles(s: dict[str, Any]) -> str:
     Dynamo's own count of graphs, the compiles that guardtrain's rebuilds made again (its
     margin over plain compile), and torch's compile seconds."""
     text = f"{s['compiles']} frames"
-    per = s.get("compiles_by_target") or {}
-    if len(per) > 1:
+    if len(per := s["compiles_by_target"]) > 1:
         text += " (" + ", ".join(f"{name} {n}" for name, n in per.items()) + ")"
-    if s.get("graphs") is not None:
-        text += f", {s['graphs']} graphs by Dynamo's count (in the whole process)"
-    again = sum((s.get("compiled_again") or {}).values())
-    if again:
+    text += f", {s['graphs']} graphs by Dynamo's count (in the whole process)"
+    if again := sum(s["compiled_again"].values()):
         text += f"; {again} compiled again after changes"
-    if s.get("compile_seconds") is not None:
-        text += f"; {s['compile_seconds']:.1f} s compiling"
-    return text
+    return text + f"; {s['compile_seconds']:.1f} s compiling"
 
 
 def _step_lines(s: dict[str, Any]) -> list[str]:
@@ -77,10 +72,8 @@ def _step_lines(s: dict[str, Any]) -> list[str]:
     auto = s.get("auto")
     if auto:
         lines.append(f"  auto chose       {auto['chose']} ({auto['why']})")
-    step = s.get("step") or {}
-    if not step:
-        return lines
-    if step.get("median_us") is not None:
+    step = s["step"]
+    if step["median_us"] is not None:
         text = (
             f"  step (steady)    {step['median_us'] / 1e3:.2f} ms median of {step['steady_steps']}"
         )

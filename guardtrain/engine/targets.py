@@ -139,7 +139,7 @@ class TargetSet:
                 target = kept[(name, id(module))]
                 target.install(host.known_as(name))
                 target.pair_calls_across_ranks(paired)
-                target.counts = self.counts  # the last run's: counted in `restored`
+                target.counts = self.counts  # this run's (the last run's are in `Run.earlier`)
                 self._allow_direct(target, host.root_label)
                 self.installed.append(target)
         else:
