@@ -670,3 +670,14 @@ def test_console_script_imports_a_factory_from_the_working_directory(tmp_path: P
     assert (
         "'gt_cwd_factory:nothing'" in missing.stderr and "no callable 'nothing'" in missing.stderr
     )
+
+
+def test_the_reference_runner_refuses_a_preset() -> None:
+    """A preset runs in an ``EngineRunner``; the references' ``Runner`` names it rather than
+    measure plain compile under the preset's label."""
+    from guardtrain.bench.models import build_model
+    from guardtrain.bench.runner import Runner
+    from guardtrain.errors import GuardTrainValueError
+
+    with pytest.raises(GuardTrainValueError, match="'aggressive'.*EngineRunner"):
+        Runner(build_model("mlp", tiny=True), "aggressive", "eager")

@@ -75,12 +75,13 @@ class Progress:
         self.total, self.done, self.enabled = total, 0, enabled
         self._bar: Any = None
         self._last, self._t0 = 0.0, time.perf_counter()
+        if not enabled:
+            return
         try:
             from tqdm import tqdm
         except ImportError:
             return
-        if enabled:
-            self._bar = tqdm(total=total, unit="task", file=sys.stderr, dynamic_ncols=True)
+        self._bar = tqdm(total=total, unit="task", file=sys.stderr, dynamic_ncols=True)
 
     def update(self, desc: str, n: int = 1) -> None:
         self.done += n

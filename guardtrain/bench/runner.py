@@ -66,6 +66,10 @@ def first_tensor(out: Any) -> torch.Tensor:
     raise GuardTrainValueError(f"the model's output has no tensor: {type(out).__name__}")
 
 
+REFERENCES = ("eager", "compile", "floor")
+"""The configurations a :class:`Runner` serves itself: no preset among them."""
+
+
 class Runner:
     """A reference configuration of one model: ``eager``, ``compile`` or ``floor``."""
 
@@ -98,6 +102,11 @@ class Runner:
     def _compile(self, config: str, backend: str, kwargs: dict[str, Any]) -> None:
         """``compile``: the whole model, or each target's own ``compile()``; ``floor``: one
         :class:`CompiledTarget` per target, with ``install_free_tensors`` and no stance."""
+        if config not in REFERENCES:
+            raise GuardTrainValueError(
+                f"Runner serves the references {list(REFERENCES)}, got {config!r}: a preset "
+                "runs in an EngineRunner (guardtrain.bench.measure.make_runner picks it)."
+            )
         if config == "compile" and self.model.targets == [""]:
             self.call = torch.compile(self.module, backend=backend)
             return
