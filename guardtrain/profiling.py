@@ -50,6 +50,7 @@ import torch
 from guardtrain._torch import compile_seconds, graph_compiles, profiler_enabled
 
 __all__ = [
+    "EVENTS_KEPT",
     "GUARD_EVENT",
     "PREGRAPH_EVENT",
     "CompileMonitor",
@@ -58,6 +59,9 @@ __all__ = [
     "compile_seconds",
     "profiler_active",
 ]
+
+EVENTS_KEPT = 100
+"""The compile events kept: the first ones of the training (a run's, and over every run)."""
 
 GUARD_EVENT = "TorchDynamo Cache Lookup"
 PREGRAPH_EVENT = "Pregraph bytecode"
@@ -69,7 +73,7 @@ class CompileMonitor:
 
     compiles: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
-    max_events: int = 100
+    max_events: int = EVENTS_KEPT
     by_target: Counter[str] = field(default_factory=Counter)
     """Compiles per target, by the name the summary gives it."""
     started: tuple[float, int] | None = None

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from guardtrain.profiling import EVENTS_KEPT
+
 __all__ = ["EVENTS_KEPT", "SAVED", "Counters"]
 
 SAVED = (
@@ -35,9 +37,6 @@ SAVED = (
     "train_batches",
 )
 """The counters a checkpoint keeps (``state_dict()``'s keys after ``preset``)."""
-
-EVENTS_KEPT = 100
-"""The compile events kept: the first ones of the training."""
 
 _LATEST = ("lookup_us", "lookup_calls")
 """Measured, not counted: the latest run's that measured them."""
